@@ -1,0 +1,1 @@
+"""Oracles, the seed algorithm and a gloo process pool, shared by tests and benchmarks."""

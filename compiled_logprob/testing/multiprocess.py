@@ -1,0 +1,141 @@
+"""A pool of CPU gloo processes that stays up between calls.
+
+Spawning a process and importing torch costs seconds, so tests and benchmarks keep one pool
+per world size and send it work::
+
+    with GlooPool(world_size=2) as pool:
+        results = pool.run(fn, arg)   # fn(arg) on every rank; a list indexed by rank
+
+``fn`` must be importable by name (a module-level function). Inside it,
+``torch.distributed`` is initialised on gloo; ``torch.distributed.get_rank()`` tells the rank.
+A failure on any rank raises :class:`WorkerError` carrying every failing rank's traceback;
+a hang (a collective some rank never joined) raises after ``timeout`` seconds and restarts
+the pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["GlooPool", "WorkerError"]
+
+
+class WorkerError(RuntimeError):
+    """A function sent to the pool raised (or hung) on at least one rank."""
+
+
+def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion failures
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class GlooPool:
+    """``world_size`` spawned processes with ``torch.distributed`` initialised on gloo."""
+
+    def __init__(self, world_size: int, *, timeout: float = 300.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._processes: list[mp.Process] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._store_dir = tempfile.TemporaryDirectory(prefix="compiled_logprob_gloo_")
+        store_path = os.path.join(self._store_dir.name, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._processes = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, store_path, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for process in self._processes:
+            process.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results by rank."""
+        for tasks in self._tasks:
+            tasks.put((fn, args, kwargs))
+        name = getattr(fn, "__name__", repr(fn))
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(outcomes) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(outcomes))
+                    self._restart()
+                    why = f"ranks {dead} died" if dead else f"no result within {self.timeout}s"
+                    raise WorkerError(f"{name}: {why} (ranks {missing} did not report)") from None
+                continue
+            outcomes[rank] = (ok, value)
+            if not ok:
+                # The other ranks may now wait forever in a collective: give them a
+                # moment to report, then restart.
+                self._drain(outcomes, timeout=5.0)
+                break
+        failures = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
+        if failures:
+            if len(outcomes) < self.world_size:
+                self._restart()
+            details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+            raise WorkerError(f"{name} failed:\n{details}")
+        return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _drain(self, outcomes: dict[int, tuple[bool, Any]], timeout: float) -> None:
+        try:
+            while len(outcomes) < self.world_size:
+                rank, ok, value = self._results.get(timeout=timeout)
+                outcomes[rank] = (ok, value)
+        except queue.Empty:
+            pass
+
+    def _restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for tasks in self._tasks:
+                tasks.put(None)
+        for process in self._processes:
+            process.join(timeout=10 if graceful else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._processes = []
+        self._store_dir.cleanup()
+
+    def __enter__(self) -> GlooPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

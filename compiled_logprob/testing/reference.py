@@ -1,0 +1,139 @@
+"""References shared by the tests and the benchmarks.
+
+* The **oracle**: float64, full-vocabulary, single-process eager math. Everything in the
+  package is checked against it.
+* The **seed algorithm**: the eager vocab-parallel log-prob that this package replaces
+  (NeMo-RL's ``DistributedLogprob``/``ChunkedDistributedLogprob``): cast the shard to fp32,
+  all-reduce the max, subtract, all-reduce the sum of exps, take the log-softmax, gather the
+  targets (masked to 0 off-shard), all-reduce, and save the fp32 softmax for backward. It is
+  the baseline the benchmarks measure against, in its own words here so that ``perf/``
+  needs nothing outside this package.
+
+Shape legend: ``B`` batch, ``S`` sequence, ``V`` full vocabulary, ``V_local`` one shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SeedChunkedDistributedLogprob",
+    "SeedDistributedLogprob",
+    "oracle_log_softmax",
+    "oracle_logprobs",
+    "oracle_logsumexp",
+    "vocab_bounds",
+]
+
+
+def oracle_log_softmax(full_logits: torch.Tensor) -> torch.Tensor:
+    """float64 ``[..., V]`` log-softmax of the unsharded logits."""
+    return torch.log_softmax(full_logits.double(), dim=-1)
+
+
+def oracle_logsumexp(full_logits: torch.Tensor) -> torch.Tensor:
+    """float64 ``[...]`` logsumexp of the unsharded logits."""
+    return torch.logsumexp(full_logits.double(), dim=-1)
+
+
+def oracle_logprobs(
+    full_logits: torch.Tensor, target: torch.Tensor, ignore_index: int | None = None
+) -> torch.Tensor:
+    """float64 ``[...]`` log-probs of ``target`` under the full-vocabulary softmax.
+
+    Positions whose target equals ``ignore_index`` hold 0 (and get no gradient).
+    """
+    ignored = torch.zeros_like(target, dtype=torch.bool)
+    if ignore_index is not None:
+        ignored = target == ignore_index
+    safe_target = torch.where(ignored, 0, target)
+    logprobs = oracle_log_softmax(full_logits).gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
+    return torch.where(ignored, 0.0, logprobs)
+
+
+def vocab_bounds(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of ``rank``'s shard when ``vocab_size`` is split as evenly as possible:
+    the first ``vocab_size % world_size`` ranks hold one extra id."""
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None):
+    if group is not None and group.size() > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _seed_log_softmax(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    logits_max = torch.amax(logits, dim=-1, keepdim=True)
+    _all_reduce(logits_max, dist.ReduceOp.MAX, group)
+    shifted = logits - logits_max
+    sum_exp = shifted.exp().sum(-1, keepdim=True)
+    _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+    return shifted - sum_exp.log()
+
+
+def _seed_masked_targets(target: torch.Tensor, start: int, end: int):
+    off_shard = (target < start) | (target >= end)
+    local = target - start
+    local[off_shard] = 0
+    return off_shard, local
+
+
+class SeedDistributedLogprob(torch.autograd.Function):
+    """The seed algorithm, unchunked: saves the full fp32 softmax for backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_end, group, inference_only=False):
+        off_shard, local = _seed_masked_targets(target, vocab_start, vocab_end)
+        log_probs = _seed_log_softmax(logits.float(), group)
+        softmax = log_probs.exp()
+        picked = log_probs.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        picked[off_shard] = 0.0
+        _all_reduce(picked, dist.ReduceOp.SUM, group)
+        if not inference_only:
+            ctx.save_for_backward(softmax, off_shard, local)
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, off_shard, local = ctx.saved_tensors
+        chosen = (~off_shard).unsqueeze(-1) * torch.nn.functional.one_hot(
+            local, num_classes=softmax.shape[-1]
+        )
+        grad = chosen.float().sub_(softmax).mul_(grad_output.unsqueeze(-1))
+        return grad, None, None, None, None, None
+
+
+class SeedChunkedDistributedLogprob(torch.autograd.Function):
+    """The seed algorithm, chunked over the sequence: saves the logits, recomputes per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_end, chunk_size, group, inference_only=False):
+        off_shard, local = _seed_masked_targets(target, vocab_start, vocab_end)
+        pieces = []
+        for s in range(0, logits.shape[1], chunk_size):
+            log_probs = _seed_log_softmax(logits[:, s : s + chunk_size].float(), group)
+            picked = log_probs.gather(-1, local[:, s : s + chunk_size].unsqueeze(-1)).squeeze(-1)
+            picked[off_shard[:, s : s + chunk_size]] = 0.0
+            _all_reduce(picked, dist.ReduceOp.SUM, group)
+            pieces.append(picked)
+        if not inference_only:
+            ctx.save_for_backward(logits, off_shard, local)
+            ctx.chunk_size, ctx.group = chunk_size, group
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits, off_shard, local = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for s in range(0, logits.shape[1], ctx.chunk_size):
+            rows = slice(s, s + ctx.chunk_size)
+            softmax = _seed_log_softmax(logits[:, rows].float(), ctx.group).exp()
+            chosen = (~off_shard[:, rows]).unsqueeze(-1) * torch.nn.functional.one_hot(
+                local[:, rows], num_classes=logits.shape[-1]
+            )
+            grad[:, rows] = chosen.float().sub_(softmax).mul_(grad_output[:, rows].unsqueeze(-1))
+        return grad, None, None, None, None, None, None
