@@ -5,7 +5,9 @@ vocabulary, ``V_local`` this rank's vocabulary slice ``[vocab_start, vocab_start
 
 Every function takes the logits of one vocabulary shard and returns values defined over the
 *full* vocabulary: only per-row ``[B, S]`` statistics cross ranks (one all-gather per call,
-or per chunk), and the backward pass communicates nothing. All of it traces whole under
+or per chunk). The backward of the per-row results (log-probs, logsumexp) communicates
+nothing; only the sharded log-softmax, whose every entry depends on every shard, all-reduces
+one ``[B, S]`` vector in backward. All of it traces whole under
 ``torch.compile(fullgraph=True)``, performs no host synchronisation (so it can be captured
 in CUDA graphs) and needs no ``torch.distributed`` at all when ``group`` is ``None``.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from compiled_logprob import _ops
 
@@ -30,12 +33,21 @@ def _group_name(group: dist.ProcessGroup | None) -> str | None:
         )
     if group.size() == 1:
         return None
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "a process group was passed but torch.distributed is not initialised (or was "
+            "destroyed): call torch.distributed.init_process_group(...) first, or pass "
+            "group=None for an unsharded vocabulary"
+        )
     return group.group_name
 
 
-def _as_batch_seq(logits: torch.Tensor) -> torch.Tensor:
-    """``[..., S, V_local]`` (or ``[S, V_local]``) as the ops' ``[B, S, V_local]``."""
-    return logits.reshape(-1, *logits.shape[-2:])
+def _as_batch(tensor: torch.Tensor, kept_dims: int) -> torch.Tensor:
+    """Fold all leading dims but the last ``kept_dims`` into one batch dim (adding one if none):
+    ``[..., S, V_local]`` -> ``[B, S, V_local]`` with ``kept_dims=2``."""
+    if tensor.dim() == kept_dims:
+        return tensor.unsqueeze(0)
+    return tensor.flatten(0, -kept_dims - 1)
 
 
 def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
@@ -49,6 +61,11 @@ def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
     if logits.dim() < 2:
         raise ValueError(
             f"logits must have shape [..., S, V_local], got shape {tuple(logits.shape)}"
+        )
+    if logits.shape[-1] == 0:
+        raise ValueError(
+            f"this rank's vocabulary shard is empty (logits shape {tuple(logits.shape)}): shard a "
+            "vocabulary over at most V ranks"
         )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -84,7 +101,7 @@ def _stats(
     chunk_size: int | None,
     ignore_index: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (_as_batch_seq(logits), None if target is None else target.reshape(-1, target.shape[-1]))
+    args = (_as_batch(logits, 2), None if target is None else _as_batch(target, 1))
     options = dict(vocab_start=vocab_start, group_name=_group_name(group), ignore_index=ignore_index)
     if chunk_size is None:
         return _ops.vocab_parallel_stats(*args, **options)
@@ -166,7 +183,32 @@ def vocab_parallel_log_softmax(
     Eager equivalent: ``torch.log_softmax(full_logits.float(), -1)[..., vocab_start:vocab_end]``.
     The result is ``dtype`` (default: the logits' dtype). Unlike the token log-probs this
     materialises a full ``[..., S, V_local]`` tensor; prefer :func:`token_logprobs` when
-    only the targets' log-probs are needed.
+    only the targets' log-probs are needed. Its backward all-reduces one fp32 ``[..., S]``
+    gradient over ``group``: every rank's output depends on every shard.
     """
-    lse = vocab_parallel_logsumexp(logits, group=group, chunk_size=chunk_size)
-    return (logits.float() - lse.unsqueeze(-1)).to(dtype or logits.dtype)
+    lse = vocab_parallel_logsumexp(logits.detach(), group=group, chunk_size=chunk_size)
+    return _LogSoftmax.apply(logits, lse, _group_name(group), dtype or logits.dtype)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """``logits - lse`` with the gradient ``G - softmax · sum(G)`` formed in fp32, rounded once.
+
+    The output is sharded but depends on every shard through ``lse``, so ``sum(G)`` runs
+    over the full vocabulary: one fp32 ``[..., S]`` all-reduce over the group.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, lse, group_name, dtype):
+        ctx.save_for_backward(logits, lse)
+        ctx.group_name = group_name
+        return (logits.float() - lse.unsqueeze(-1)).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse = ctx.saved_tensors
+        grad = grad.float()
+        grad_sum = grad.sum(-1)
+        if ctx.group_name is not None:
+            grad_sum = funcol.wait_tensor(funcol.all_reduce(grad_sum, "sum", ctx.group_name))
+        softmax = torch.exp(logits.float() - lse.unsqueeze(-1))
+        return (grad - grad_sum.unsqueeze(-1) * softmax).to(logits.dtype), None, None, None

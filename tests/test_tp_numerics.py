@@ -1,0 +1,390 @@
+"""Numerics of the vocab-parallel core against the float64 oracle, forward and backward.
+
+Every case builds the same full logits on every rank (one seed), hands each rank its own
+``vocab_bounds`` shard, and compares the rank's output and its gradient of
+``sum(output * upstream)`` with the oracle's, sliced at the rank's vocabulary range.
+Distributed cases run on the session's persistent gloo pools (``gloo_pool``), so the
+functions sent there are module-level; the Hypothesis property runs *inside* the workers.
+
+Tolerances (see ``_check_case``): the oracle sees the logits exactly as given (already
+rounded to bf16/fp16), so the only error left is fp32 math plus the final rounding of the
+result into its dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compiled_logprob as cl
+from compiled_logprob.testing.reference import (
+    oracle_log_softmax,
+    oracle_logprobs,
+    oracle_logsumexp,
+    vocab_bounds,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+IGNORE = -100
+# Outputs [..., S] (replicated on every rank): one log-prob or logsumexp per position.
+TOKEN_APIS = ("token_logprobs", "DistributedLogprob", "ChunkedDistributedLogprob")
+ROW_APIS = (*TOKEN_APIS, "vocab_parallel_logsumexp")
+# Outputs [..., S, V_local] (sharded like the logits).
+SHARDED_APIS = ("vocab_parallel_log_softmax", "_compute_distributed_log_softmax")
+APIS = ROW_APIS + SHARDED_APIS
+CHUNKABLE = (
+    "token_logprobs",
+    "ChunkedDistributedLogprob",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_log_softmax",
+)
+# NeMo's signatures take [B, S, V_local] logits only.
+DROP_INS = ("DistributedLogprob", "ChunkedDistributedLogprob", "_compute_distributed_log_softmax")
+WORLD_SIZES = (1, 2, 3, 4)
+ODD_SHAPES = {
+    "2d": dict(lead=(), seq=13),
+    "B1": dict(lead=(1,), seq=13),
+    "4d": dict(lead=(2, 3), seq=5),
+    "S1": dict(lead=(1,), seq=1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One input: logits ``[*lead, seq, vocab]`` of ``dtype``, ``N(0, scale²)``, seeded."""
+
+    api: str = "token_logprobs"
+    lead: tuple[int, ...] = (2,)
+    seq: int = 13
+    vocab: int = 1003
+    dtype: str = "fp32"
+    scale: float = 1.0
+    chunk: int | None = None
+    ignore: bool = False  # ~30% of the targets (token_logprobs only) are IGNORE
+    special: str | None = None  # "inf_shard" | "nan_row"
+    seed: int = 0
+
+
+def _inputs(case: Case, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full logits (in ``case.dtype``), targets and a float64 upstream gradient; identical on
+    every rank. ``world`` places the ``inf_shard`` block on the last rank's shard exactly."""
+    gen = torch.Generator().manual_seed(case.seed)
+    shape = (*case.lead, case.seq, case.vocab)
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64) * case.scale
+    logits = logits.to(DTYPES[case.dtype])
+    target = torch.randint(0, case.vocab, shape[:-1], generator=gen)
+    rows = logits.view(-1, case.vocab)
+    if case.special == "inf_shard":
+        parts = max(world, 2)
+        lo, hi = vocab_bounds(case.vocab, parts, parts - 1)
+        rows[::2, lo:hi] = float("-inf")  # every other row: a whole shard of -inf
+        rows[:, -1] = float("-inf")  # vocabulary padding, every row
+        target = target % lo  # real models never target padding
+    if case.special == "nan_row":
+        rows[rows.shape[0] // 2, case.vocab // 2] = float("nan")
+    if case.ignore:
+        target = torch.where(torch.rand(target.shape, generator=gen) < 0.3, IGNORE, target)
+        if case.special == "nan_row":  # an ignored NaN row must still give 0 and no gradient
+            target.view(-1)[rows.shape[0] // 2] = IGNORE
+    upstream_shape = shape if case.api in SHARDED_APIS else shape[:-1]
+    upstream = torch.randn(upstream_shape, generator=gen, dtype=torch.float64)
+    return logits, target, upstream
+
+
+def _ours(case: Case, shard, target, start: int, group, ignore_index: int | None):
+    end = start + shard.shape[-1]
+    if case.api == "token_logprobs":
+        options = dict(group=group, chunk_size=case.chunk, ignore_index=ignore_index)
+        return cl.token_logprobs(shard, target, vocab_start=start, **options)
+    if case.api == "DistributedLogprob":
+        return cl.DistributedLogprob.apply(shard, target, start, end, group)
+    if case.api == "ChunkedDistributedLogprob":
+        return cl.ChunkedDistributedLogprob.apply(shard, target, start, end, case.chunk, group)
+    if case.api == "vocab_parallel_logsumexp":
+        return cl.vocab_parallel_logsumexp(shard, group=group, chunk_size=case.chunk)
+    if case.api == "vocab_parallel_log_softmax":
+        return cl.vocab_parallel_log_softmax(shard, group=group, chunk_size=case.chunk)
+    return cl._compute_distributed_log_softmax(shard, group)
+
+
+def _oracle(case: Case, full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if case.api in TOKEN_APIS:
+        return oracle_logprobs(full, target, IGNORE if case.ignore else None)
+    if case.api == "vocab_parallel_logsumexp":
+        return oracle_logsumexp(full)
+    return oracle_log_softmax(full)
+
+
+def _value_and_grad(fn, leaf: torch.Tensor, upstream: torch.Tensor):
+    leaf = leaf.detach().requires_grad_()
+    out = fn(leaf)
+    (grad,) = torch.autograd.grad(out, leaf, upstream.to(out.dtype))
+    return out.detach(), grad
+
+
+def _assert_within(actual, expected, bound, what: str) -> None:
+    """``|actual - expected| <= bound`` elementwise; NaN and ±inf must sit at the same places."""
+    actual, expected = actual.double(), expected.double()
+    both_nan = actual.isnan() & expected.isnan()
+    ok = (actual == expected) | ((actual - expected).abs() <= bound) | both_nan
+    if not ok.all():
+        bad = tuple((~ok).nonzero()[0].tolist())
+        bound = bound.expand_as(expected)
+        raise AssertionError(
+            f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; first at {bad}: "
+            f"ours {actual[bad].item()!r}, oracle {expected[bad].item()!r}, "
+            f"bound {bound[bad].item()!r}"
+        )
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), group.size())
+
+
+def _check_case(case: Case, group) -> None:
+    """Forward and backward of ``case`` on this rank's shard against the float64 oracle."""
+    rank, world = _rank_and_size(group)
+    where = f"{case} rank {rank}/{world}"
+    start, end = vocab_bounds(case.vocab, world, rank)
+    logits, target, upstream = _inputs(case, world)
+    sharded = case.api in SHARDED_APIS
+    local_upstream = upstream[..., start:end] if sharded else upstream
+    ignore_index = IGNORE if case.ignore else None
+
+    shard = logits[..., start:end]
+    ours, grad = _value_and_grad(
+        lambda x: _ours(case, x, target, start, group, ignore_index), shard, local_upstream
+    )
+    # The oracle's upstream gradient is ours exactly as the autograd engine saw it.
+    upstream = upstream.to(ours.dtype).double()
+    ref, ref_grad = _value_and_grad(lambda x: _oracle(case, x, target), logits.double(), upstream)
+    if sharded:
+        ref = ref[..., start:end]
+    ref_grad = ref_grad[..., start:end]
+
+    # delta: absolute error of an fp32 logsumexp-type value (lse, log-prob, log-softmax) of
+    # these logits. Subtracting the max and adding it back each cost ~1 ulp of |logits|max;
+    # the sum of exps and its log cost ~log2(V) ulp of O(1) values. 1e-5 is ~80 fp32 ulps of
+    # max(1, |logits|max), room for all of that plus the cross-rank combine.
+    finite = torch.where(logits.isfinite(), logits.double().abs(), 0.0)
+    delta = 1e-5 * max(1.0, finite.max().item())
+    # Results are rounded into their dtype last: allow one ulp of it relative to the value
+    # (the fp32 error can push a value across a rounding boundary).
+    out_eps = torch.finfo(ours.dtype).eps
+    _assert_within(ours, ref, delta + out_eps * ref.abs(), f"{where} forward")
+
+    # Gradients are g_lse * softmax + g_target * onehot. softmax = exp(z - lse) inherits
+    # delta as a relative error, so each element's error is at most delta times the row's
+    # upstream weight: |g| for per-row outputs, sum |G| over the vocabulary for log-softmax
+    # (whose lse gradient is -sum G). Then one ulp of the gradient's dtype for the final
+    # rounding, and half a subnormal step where that rounding flushes a tiny gradient.
+    weight = upstream.abs().sum(-1, keepdim=True) if sharded else upstream.abs().unsqueeze(-1)
+    info = torch.finfo(grad.dtype)
+    grad_bound = delta * weight + info.eps * ref_grad.abs() + info.smallest_normal * info.eps / 2
+    if case.ignore:
+        ignored = (target == IGNORE).unsqueeze(-1)
+        assert (ours.masked_select(ignored.squeeze(-1)) == 0).all(), f"{where}: log-prob not 0"
+        assert (grad.masked_select(ignored) == 0).all(), f"{where}: gradient not 0 where ignored"
+        # The oracle's gradient of a NaN row is NaN even where ignored; ours is exactly 0.
+        ref_grad = torch.where(ignored, 0.0, ref_grad)
+        plain_target = torch.where(target == IGNORE, 0, target)
+        plain, plain_grad = _value_and_grad(
+            lambda x: _ours(case, x, plain_target, start, group, None), shard, local_upstream
+        )
+        # Every other position is bitwise what it is without ignore_index.
+        kept = target != IGNORE
+        assert torch.equal(ours[kept], plain[kept]), f"{where}: ignore_index changed log-probs"
+        assert torch.equal(grad[kept], plain_grad[kept]), f"{where}: ignore_index changed grads"
+    _assert_within(grad, ref_grad, grad_bound, f"{where} gradient")
+
+
+def _check_in_world(case: Case) -> None:
+    _check_case(case, dist.group.WORLD)
+
+
+def _run_case(gloo_pool, world: int, case: Case) -> None:
+    gloo_pool(world).run(_check_in_world, case)
+
+
+def _check_bad_target(kind: str, api: str, chunk: int | None) -> str:
+    """A target no rank owns raises on every rank; then the same process computes correctly."""
+    rank, world = _rank_and_size(dist.group.WORLD)
+    vocab = 13
+    end_0 = vocab_bounds(vocab, world, 0)[1]
+    # "gap": rank r's shard moves up by r, so id end_0 lies between shards 0 and 1;
+    # "overlap": it moves down by r, so id end_0 - 1 is owned by ranks 0 and 1.
+    shift = {"gap": rank, "overlap": -rank}.get(kind, 0)
+    start, end = (bound + shift for bound in vocab_bounds(vocab, world, rank))
+    bad = {"negative": -1, "vocab_size": vocab, "gap": end_0, "overlap": end_0 - 1}[kind]
+    logits = torch.randn(2, 7, end - start)
+    target = torch.randint(0, end_0 - 1, (2, 7))  # owned by rank 0 alone, whatever the kind
+    target[-1, -1] = bad  # in the last chunk: every earlier chunk's collective has completed
+    try:
+        if api == "token_logprobs":
+            cl.token_logprobs(
+                logits, target, vocab_start=start, group=dist.group.WORLD, chunk_size=chunk
+            )
+        else:
+            cl.ChunkedDistributedLogprob.apply(logits, target, start, end, chunk, dist.group.WORLD)
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: target {bad} ({kind}) did not raise")
+    _check_in_world(Case(api=api, chunk=chunk, dtype="bf16", seed=7))
+    return message
+
+
+def _check_property(max_examples: int) -> None:
+    """The Hypothesis property, run on every rank of a pool in lockstep (see below)."""
+    settings_ = settings(
+        derandomize=True,  # the same examples, in the same order, on every rank
+        database=None,
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),  # time-based checks could differ between ranks
+        print_blob=False,
+    )
+    settings_(given(case=_cases(), tp=st.integers(1, dist.get_world_size()))(_property_example))()
+
+
+@st.composite
+def _cases(draw) -> Case:
+    api = draw(st.sampled_from(APIS))
+    seq = draw(st.integers(1, 17))
+    return Case(
+        api=api,
+        lead=draw(st.sampled_from([(1,), (3,)] if api in DROP_INS else [(), (1,), (3,), (2, 2)])),
+        seq=seq,
+        vocab=draw(st.integers(max(WORLD_SIZES), 80)),
+        dtype=draw(st.sampled_from(sorted(DTYPES))),
+        scale=draw(st.sampled_from([1e-3, 1.0, 30.0, 1000.0])),
+        chunk=draw(st.none() | st.integers(1, seq + 2)) if api in CHUNKABLE else None,
+        ignore=api == "token_logprobs" and draw(st.booleans()),
+        special=draw(st.sampled_from([None, None, "inf_shard", "nan_row"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+# The world's ranks split into consecutive groups of each TP size (the last one possibly
+# smaller), created once per worker: new_group is collective, so every rank makes every group.
+_TP_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _tp_group(tp: int) -> dist.ProcessGroup:
+    if not _TP_GROUPS:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for size in range(1, world + 1):
+            for first in range(0, world, size):
+                ranks = list(range(first, min(first + size, world)))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    _TP_GROUPS[size] = group
+    return _TP_GROUPS[tp]
+
+
+def _property_example(case: Case, tp: int) -> None:
+    # A failure on any rank fails the example on every rank, so that Hypothesis takes the
+    # same path (shrinking included) everywhere and the ranks' collectives stay matched.
+    try:
+        _check_case(case, _tp_group(tp))
+        failure = ""
+    except Exception as error:  # noqa: BLE001 - reported below, on every rank
+        failure = f"{type(error).__name__}: {error}"
+    flags = funcol.all_reduce(torch.tensor([float(bool(failure))]), "max", dist.group.WORLD)
+    if funcol.wait_tensor(flags).item():
+        raise AssertionError(failure or "failed on another rank")
+
+
+# ---------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("api", APIS)
+def test_matches_oracle(gloo_pool, api, world, dtype):
+    """Every entry point, even and uneven shards (V = 1003), every dtype."""
+    chunk = 5 if api == "ChunkedDistributedLogprob" else None
+    _run_case(gloo_pool, world, Case(api=api, dtype=dtype, chunk=chunk))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 20])
+@pytest.mark.parametrize("api", CHUNKABLE)
+def test_chunked(gloo_pool, api, chunk):
+    """Chunks that divide S, do not, equal it and exceed it, on uneven shards."""
+    _run_case(gloo_pool, 3, Case(api=api, chunk=chunk, dtype="bf16", seed=1))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("shape", ODD_SHAPES.values(), ids=ODD_SHAPES)
+@pytest.mark.parametrize(
+    "api", ["token_logprobs", "vocab_parallel_logsumexp", "vocab_parallel_log_softmax"]
+)
+def test_odd_shapes(gloo_pool, api, shape, world):
+    """A tiny vocabulary (V = 7: shards of 2, 2, 2, 1), B = 1, S = 1, [S, V] and 4-D input."""
+    _run_case(gloo_pool, world, Case(api=api, vocab=7, chunk=4, seed=2, **shape))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("special", ["x1000", "inf_shard", "nan_row"])
+@pytest.mark.parametrize("api", APIS)
+def test_stability(gloo_pool, api, special, world, dtype):
+    """Logits x1000; -inf padding with whole -inf shards (finite, exact); NaN stays in its row."""
+    chunk = 4 if api in CHUNKABLE else None
+    case = Case(api=api, chunk=chunk, dtype=dtype, seed=3)
+    if special == "x1000":
+        case = dataclasses.replace(case, scale=1000.0)
+    else:
+        case = dataclasses.replace(case, special=special)
+    _run_case(gloo_pool, world, case)
+
+
+@pytest.mark.parametrize("special", [None, "nan_row"])
+@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ignore_index(gloo_pool, world, chunk, special):
+    """Ignored positions: log-prob 0, gradient exactly 0 (even in a NaN row); others unchanged."""
+    case = Case(ignore=True, chunk=chunk, special=special, dtype="bf16", seed=4)
+    _run_case(gloo_pool, world, case)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("api", ["token_logprobs", "ChunkedDistributedLogprob"])
+@pytest.mark.parametrize(
+    "kind, world",
+    [
+        ("negative", 1),
+        ("vocab_size", 1),
+        ("negative", 3),
+        ("vocab_size", 4),
+        ("gap", 2),
+        ("gap", 4),
+        ("overlap", 3),
+    ],
+)
+def test_bad_target_raises_then_recovers(gloo_pool, kind, world, api, chunk):
+    """Every rank raises the same RuntimeError (no hang); the process keeps working after it."""
+    messages = gloo_pool(world).run(_check_bad_target, kind, api, chunk)
+    assert all("not owned by exactly one vocabulary shard" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_without_torch_distributed(api):
+    """group=None in this very process, torch.distributed never initialised."""
+    assert not dist.is_initialized(), "another test left torch.distributed initialised"
+    _check_case(Case(api=api, chunk=6 if api in CHUNKABLE else None, dtype="bf16", seed=5), None)
+    _check_case(Case(api=api, vocab=7, lead=(1,), special="inf_shard", seed=6), None)
+    assert not dist.is_initialized()
+
+
+def test_property(gloo_pool):
+    """Hypothesis over B, S, V, TP size (1-4, as subgroups of 4 ranks), chunk, dtype, scale,
+    -inf/NaN rows and ignore_index, all APIs, forward and backward."""
+    gloo_pool(4).run(_check_property, 120)
