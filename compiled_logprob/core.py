@@ -50,6 +50,10 @@ def _as_batch(tensor: torch.Tensor, kept_dims: int) -> torch.Tensor:
     return tensor.flatten(0, -kept_dims - 1)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
@@ -67,16 +71,19 @@ def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
             f"this rank's vocabulary shard is empty (logits shape {tuple(logits.shape)}): shard a "
             "vocabulary over at most V ranks"
         )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
-def _validate_target(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> None:
+def _validate_target(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, ignore_index: int | None
+) -> None:
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+    if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(
-            f"target must hold integer token ids, got dtype {target.dtype}; pass target.long()"
+            f"target must hold int64 (or int32) token ids, got dtype {target.dtype}; "
+            "pass target.long()"
         )
     if target.shape != logits.shape[:-1]:
         raise ValueError(
@@ -88,8 +95,11 @@ def _validate_target(logits: torch.Tensor, target: torch.Tensor, vocab_start: in
             f"target is on {target.device} but logits are on {logits.device}; "
             "move both to the same device"
         )
-    if not isinstance(vocab_start, int) or vocab_start < 0:
+    if not _is_int(vocab_start) or vocab_start < 0:
         raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    # A tensor would be read on the host by the op's int argument.
+    if ignore_index is not None and not _is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
 
 
 def _stats(
@@ -139,7 +149,7 @@ def token_logprobs(
     the device without a host sync (``torch._assert_async``).
     """
     _validate_logits(logits, chunk_size)
-    _validate_target(logits, target, vocab_start)
+    _validate_target(logits, target, vocab_start, ignore_index)
     lse, target_logit = _stats(
         logits,
         target,
@@ -186,6 +196,8 @@ def vocab_parallel_log_softmax(
     only the targets' log-probs are needed. Its backward all-reduces one fp32 ``[..., S]``
     gradient over ``group``: every rank's output depends on every shard.
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     lse = vocab_parallel_logsumexp(logits.detach(), group=group, chunk_size=chunk_size)
     return _LogSoftmax.apply(logits, lse, _group_name(group), dtype or logits.dtype)
 

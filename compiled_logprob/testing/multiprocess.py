@@ -47,7 +47,7 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    # No destroy_process_group(): it synchronises the ranks, and exiting frees it all anyway.
 
 
 class GlooPool:

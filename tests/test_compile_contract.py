@@ -1,0 +1,525 @@
+"""The compile contract of every public entry point and every custom op.
+
+* ``torch.library.opcheck`` on every op of the ``compiled_logprob`` namespace (a new op
+  without cases here fails the suite);
+* ``torch.compile(fullgraph=True)`` forward and backward equal eager, unsharded and on TP=2
+  gloo, on ``aot_eager`` and Inductor;
+* four sequence lengths compile at most twice (one static, one dynamic graph), forward and
+  backward;
+* one all-gather per call in the forward graph, nothing but the documented collectives in the
+  backward graph;
+* no host sync on any eager path, forward and backward
+  (:func:`compiled_logprob.testing.sync_check.no_host_syncs`, itself tested first).
+
+Compiles are the expensive part: every entry point is traced into *one* compiled function,
+compiled once per backend and shared by the tests through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import pkgutil
+from collections import Counter
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.decomposition import select_decomp_table
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import compiled_logprob as cl
+from compiled_logprob import _ops
+from compiled_logprob.testing.reference import vocab_bounds
+from compiled_logprob.testing.sync_check import no_host_syncs
+
+BATCH, VOCAB, CHUNK, IGNORE = 2, 11, 4, 3
+SEQ_LENS = (5, 9, 13, 17)  # S=1 would specialise; 4 lengths must compile at most twice
+TP = 2
+
+
+# --------------------------------------------------------------------------------------
+# Entry points, all as f(logits, target, vocab_start, vocab_end, group).
+
+
+def _token_logprobs(logits, target, start, end, group):
+    return cl.token_logprobs(logits, target, vocab_start=start, group=group)
+
+
+def _token_logprobs_ignore(logits, target, start, end, group):
+    return cl.token_logprobs(logits, target, vocab_start=start, group=group, ignore_index=IGNORE)
+
+
+def _token_logprobs_chunked_ignore(logits, target, start, end, group):
+    return cl.token_logprobs(
+        logits, target, vocab_start=start, group=group, chunk_size=CHUNK, ignore_index=IGNORE
+    )
+
+
+def _logsumexp(logits, target, start, end, group):
+    return cl.vocab_parallel_logsumexp(logits, group=group)
+
+
+def _logsumexp_chunked(logits, target, start, end, group):
+    return cl.vocab_parallel_logsumexp(logits, group=group, chunk_size=CHUNK)
+
+
+def _log_softmax(logits, target, start, end, group):
+    return cl.vocab_parallel_log_softmax(logits, group=group)
+
+
+def _distributed_logprob(logits, target, start, end, group):
+    return cl.DistributedLogprob.apply(logits, target, start, end, group)
+
+
+def _chunked_distributed_logprob(logits, target, start, end, group):
+    return cl.ChunkedDistributedLogprob.apply(logits, target, start, end, CHUNK, group)
+
+
+def _compute_distributed_log_softmax(logits, target, start, end, group):
+    return cl._compute_distributed_log_softmax(logits, group)
+
+
+ENTRY_POINTS = {
+    fn.__name__.lstrip("_"): fn
+    for fn in (
+        _token_logprobs,
+        _token_logprobs_ignore,
+        _token_logprobs_chunked_ignore,
+        _logsumexp,
+        _logsumexp_chunked,
+        _log_softmax,
+        _distributed_logprob,
+        _chunked_distributed_logprob,
+        _compute_distributed_log_softmax,
+    )
+}
+CHUNKED = {"token_logprobs_chunked_ignore", "logsumexp_chunked", "chunked_distributed_logprob"}
+# A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
+SHARDED_OUTPUT = {"log_softmax", "compute_distributed_log_softmax"}
+
+
+def all_entry_points(logits: dict, target, start, end, group) -> dict:
+    """Every entry point on its own copy of the logits: one graph holds them all."""
+    return {name: fn(logits[name], target, start, end, group) for name, fn in ENTRY_POINTS.items()}
+
+
+def make_inputs(seq_len: int, start: int, end: int):
+    """This shard's logits (one leaf per entry point) and global targets, the same on every rank;
+    every third target is ``IGNORE``."""
+    gen = torch.Generator().manual_seed(seq_len)
+    full = 3 * torch.randn(BATCH, seq_len, VOCAB, generator=gen)
+    target = torch.randint(0, VOCAB, (BATCH, seq_len), generator=gen)
+    target[:, ::3] = IGNORE
+    shard = full[..., start:end]
+    return {name: shard.clone().requires_grad_() for name in ENTRY_POINTS}, target
+
+
+def forward_backward(fn, logits: dict, target, start, end, group) -> dict:
+    """``{name: (output, grad of the logits)}`` for a fixed random cotangent per output."""
+    outputs = fn(logits, target, start, end, group)
+    gen = torch.Generator().manual_seed(0)
+    cotangents = [torch.randn(out.shape, generator=gen) for out in outputs.values()]
+    loss = sum((out.float() * dout).sum() for out, dout in zip(outputs.values(), cotangents))
+    loss.backward()
+    return {name: (out.detach(), logits[name].grad) for name, out in outputs.items()}
+
+
+def assert_results_close(actual: dict, expected: dict, label: str) -> None:
+    for name, pair in expected.items():
+        for kind, got, wanted in zip(("forward", "backward"), actual[name], pair):
+            torch.testing.assert_close(
+                got, wanted, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {name} {kind}: {m}"
+            )
+
+
+# --------------------------------------------------------------------------------------
+# Backends that record what they compile.
+
+
+class RecordingBackend:
+    """A ``torch.compile`` backend that keeps every forward and backward graph it compiles.
+
+    ``"inductor"`` records the graphs Inductor lowers (after its decompositions and
+    partitioning); ``"aot_eager"`` records AOT Autograd's graphs, decomposed with
+    Inductor's table when ``decompose`` is set, and runs them as they are.
+    """
+
+    def __init__(self, backend: str, *, decompose: bool = False) -> None:
+        self.graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        if backend == "inductor":
+            self._compile = partial(compile_fx, inner_compile=self._inductor_inner)
+        else:
+            self._compile = aot_autograd(
+                fw_compiler=self._recorder("forward"),
+                bw_compiler=self._recorder("backward"),
+                decompositions=select_decomp_table() if decompose else None,
+            )
+
+    def _inductor_inner(self, gm, inputs, **kwargs):
+        self.graphs["backward" if kwargs.get("is_backward") else "forward"].append(gm)
+        return compile_fx_inner(gm, inputs, **kwargs)
+
+    def _recorder(self, kind: str):
+        def compiler(gm, inputs):
+            self.graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def __call__(self, gm, inputs):
+        return self._compile(gm, inputs)
+
+    def ops(self, kind: str, namespace: str) -> dict[str, int]:
+        """``{op name: count}`` of the ``namespace`` ops in the recorded ``kind`` graphs."""
+        return dict(
+            Counter(
+                node.target.name()
+                for gm in self.graphs[kind]
+                for node in gm.graph.nodes
+                if isinstance(node.target, torch._ops.OpOverload)
+                and node.target.namespace == namespace
+            )
+        )
+
+
+def compile_recording(fn, backend: str, **options) -> tuple:
+    recorder = RecordingBackend(backend, **options)
+    return torch.compile(fn, backend=recorder, fullgraph=True), recorder
+
+
+# --------------------------------------------------------------------------------------
+# The sync checker itself.
+
+
+@torch.library.custom_op("compiled_logprob_sync_check_test::hidden_item", mutates_args=())
+def _hidden_item(x: torch.Tensor) -> torch.Tensor:
+    return x * x.sum().item()
+
+
+_hidden_item.register_fake(lambda x: torch.empty_like(x))
+
+
+def _item_in_backward(ctx, grad):
+    return grad * grad.sum().item()
+
+
+@torch.library.custom_op("compiled_logprob_sync_check_test::identity", mutates_args=())
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+_identity.register_fake(lambda x: torch.empty_like(x))
+_identity.register_autograd(_item_in_backward)
+
+_TEST_NAMESPACES = ("compiled_logprob", "compiled_logprob_sync_check_test")
+
+_ITEM = r"aten\.(item|_local_scalar_dense)"  # item is composite: which one shows depends on the key
+_X = torch.linspace(-1, 1, 6).view(2, 3)
+_MASK = _X > 0
+SYNCING = {
+    "item": (lambda: _X.sum().item(), _ITEM),
+    "bool": (lambda: bool(_X.sum() > 0), _ITEM),
+    "nonzero": (lambda: _X.nonzero(), "aten.nonzero"),
+    "argwhere": (lambda: torch.argwhere(_X), "aten.nonzero"),
+    "where_cond": (lambda: torch.where(_MASK), "aten.nonzero"),
+    "mask_index": (lambda: _X[_MASK], "aten.index.Tensor"),
+    "mask_index_put": (lambda: _X.clone().__setitem__(_MASK, 0.0), "aten.index_put_"),
+    "masked_select": (lambda: _X.masked_select(_MASK), "aten.masked_select"),
+    "unique": (lambda: torch.unique(_X), "aten._unique2"),
+    "unique_consecutive": (lambda: torch.unique_consecutive(_X), "aten.unique_consecutive"),
+    "equal": (lambda: torch.equal(_X, _X), "aten.equal"),
+    "allclose": (lambda: torch.allclose(_X, _X), "aten.allclose"),
+    "repeat_interleave": (
+        lambda: torch.repeat_interleave(torch.tensor([1, 2])),
+        "aten.repeat_interleave",
+    ),
+    "device_to_host": (lambda: torch.empty(3, device="meta").cpu(), "aten._to_copy"),
+    "custom_op_kernel": (lambda: _hidden_item(_X), _ITEM),
+}
+SYNC_FREE = {
+    "assert_async": lambda: torch._assert_async((_X > -2).all(), "unreachable"),
+    "where": lambda: torch.where(_MASK, _X, 0.0),
+    "int_index": lambda: _X[:, torch.tensor([0, 2])],
+    "nonzero_static": lambda: torch.nonzero_static(_X, size=3),
+    "repeat_interleave_sized": lambda: torch.repeat_interleave(torch.tensor([1, 2]), output_size=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SYNCING))
+def test_sync_check_names_the_syncing_op(case):
+    fn, op_name = SYNCING[case]
+    with pytest.raises(AssertionError, match=rf"host sync: {op_name}"):
+        with no_host_syncs(transparent=_TEST_NAMESPACES):
+            fn()
+
+
+@pytest.mark.parametrize("case", sorted(SYNC_FREE))
+def test_sync_check_allows_device_side_ops(case):
+    with no_host_syncs():
+        SYNC_FREE[case]()
+
+
+def test_sync_check_sees_inside_custom_ops_only_when_transparent():
+    # A dispatch mode is popped while an op runs: without re-entering, the kernel is opaque.
+    with no_host_syncs(transparent=()):
+        _hidden_item(_X)
+    with pytest.raises(AssertionError, match=_ITEM):
+        with no_host_syncs(transparent=_TEST_NAMESPACES):
+            _hidden_item(_X)
+
+
+def test_sync_check_covers_backward():
+    x = _X.clone().requires_grad_()
+    y = _identity(x).sum()
+    with pytest.raises(AssertionError, match=_ITEM):
+        with no_host_syncs(transparent=_TEST_NAMESPACES):
+            y.backward()
+
+
+def _functional_collectives_under_sync_check() -> None:
+    group_name = dist.group.WORLD.group_name
+    rank = dist.get_rank()
+    x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    with no_host_syncs():
+        gathered = funcol.all_gather_single(x.detach(), 0, group_name)
+        reduced = funcol.wait_tensor(funcol.all_reduce(x.detach(), "sum", group_name))
+        scattered = funcol.reduce_scatter_single(x.detach(), "sum", 0, group_name)
+        swapped = funcol.all_to_all_single(x.detach(), None, None, group_name)
+        funcol.all_gather_single_autograd(x, 0, group_name).sum().backward()
+        results = [t.clone() for t in (gathered, reduced, scattered, swapped, x.grad)]
+    ones = torch.ones(2, 3)
+    expected = [
+        torch.cat([ones, 2 * ones]),  # all-gather
+        3 * ones,  # all-reduce
+        3 * ones[:1],  # reduce-scatter
+        torch.stack([ones[0], 2 * ones[0]]),  # all-to-all
+        2 * ones,  # all-gather's backward: its output summed over both ranks' losses
+    ]
+    for actual, wanted in zip(results, expected):
+        torch.testing.assert_close(actual, wanted)
+
+
+def test_sync_check_passes_functional_collectives_on_gloo(gloo_pool):
+    gloo_pool(TP).run(_functional_collectives_under_sync_check)
+
+
+# --------------------------------------------------------------------------------------
+# opcheck on every custom op.
+
+
+@pytest.fixture
+def fake_group_name():
+    """The name of a 2-rank fake process group (collectives run, values meaningless)."""
+    assert not dist.is_initialized(), "a test left torch.distributed initialised"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def _op_inputs(seq_len: int = 5, vocab: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits ``[B, S, V]`` and targets ``[B, S]``, every other one ``IGNORE``."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(BATCH, seq_len, vocab, generator=gen)
+    target = torch.randint(0, vocab, (BATCH, seq_len), generator=gen)
+    target[:, ::2] = IGNORE
+    return logits, target
+
+
+def _stats_cases(**extra):
+    """Cases ``(args, kwargs)`` for a forward stats op; ``"fake"`` marks the fake group."""
+    logits, target = _op_inputs()
+    all_ignored = torch.full_like(target, IGNORE)  # the fake group duplicates rows: no owner
+    options = dict(vocab_start=0, group_name=None, ignore_index=None, **extra)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        leaf = logits.to(dtype).requires_grad_()
+        cases += [
+            ((leaf, target), options),
+            ((leaf, None), options),
+            ((leaf, target), {**options, "ignore_index": IGNORE}),
+            ((leaf, all_ignored), {**options, "group_name": "fake", "ignore_index": IGNORE}),
+            ((leaf, None), {**options, "group_name": "fake"}),
+        ]
+    return cases
+
+
+def _backward_cases():
+    logits, target = _op_inputs()
+    lse = torch.logsumexp(logits, -1)
+    gen = torch.Generator().manual_seed(1)
+    grad_lse, grad_target_logit = torch.randn(2, *lse.shape, generator=gen)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (grad_lse, grad_target_logit, logits.to(dtype), target, lse)
+        cases += [
+            (args, dict(vocab_start=0, ignore_index=None)),
+            (args, dict(vocab_start=2, ignore_index=IGNORE)),  # some targets off this shard
+            ((*args[:3], None, lse), dict(vocab_start=0, ignore_index=None)),
+        ]
+    return cases
+
+
+OPCHECK_CASES = {
+    "compiled_logprob::vocab_parallel_stats": (_ops.vocab_parallel_stats, _stats_cases),
+    "compiled_logprob::vocab_parallel_stats_chunked": (
+        _ops.vocab_parallel_stats_chunked,
+        lambda: _stats_cases(chunk_size=2),
+    ),
+    "compiled_logprob::vocab_parallel_stats_backward": (
+        _ops.vocab_parallel_stats_backward,
+        _backward_cases,
+    ),
+}
+
+
+# Ops whose opcheck lives with their own tests: op -> that test file.
+OPCHECKED_ELSEWHERE = {
+    "compiled_logprob::lm_head_stats": "test_lm_head.py",
+    "compiled_logprob::lm_head_stats_backward": "test_lm_head.py",
+}
+
+
+def _registered_ops(namespace: str) -> set[str]:
+    for module in pkgutil.walk_packages(cl.__path__, "compiled_logprob."):
+        importlib.import_module(module.name)
+    names = torch._C._dispatch_get_all_op_names()
+    return {name for name in names if name.startswith(namespace + "::")}
+
+
+def test_every_custom_op_has_opcheck_cases():
+    missing = _registered_ops("compiled_logprob") - set(OPCHECK_CASES) - set(OPCHECKED_ELSEWHERE)
+    assert not missing, f"ops without opcheck cases (add to OPCHECK_CASES): {sorted(missing)}"
+    for op_name, file_name in OPCHECKED_ELSEWHERE.items():
+        source = (pathlib.Path(__file__).parent / file_name).read_text()
+        short_name = op_name.split("::")[1]
+        covered = "opcheck(" in source and f".{short_name}," in source
+        assert covered, f"{file_name} does not opcheck {op_name}"
+
+
+@pytest.mark.parametrize("op_name", sorted(OPCHECK_CASES))
+def test_opcheck(op_name, fake_group_name):
+    op, make_cases = OPCHECK_CASES[op_name]
+    for args, kwargs in make_cases():
+        if kwargs.get("group_name") == "fake":
+            kwargs = {**kwargs, "group_name": fake_group_name}
+        torch.library.opcheck(op, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# fullgraph compile equals eager; no recompiles across sequence lengths.
+
+
+@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
+def compiled_runs(request):
+    """Every entry point, compiled as one function and run at every length in ``SEQ_LENS``:
+    ``(recorder, {seq_len: (compiled results, eager results)})``."""
+    torch._dynamo.reset()
+    compiled, recorder = compile_recording(all_entry_points, request.param)
+    runs = {}
+    # A cache hit would skip the compile that the recorder counts.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        for seq_len in SEQ_LENS:
+            results = [
+                forward_backward(fn, *make_inputs(seq_len, 0, VOCAB), 0, VOCAB, None)
+                for fn in (compiled, all_entry_points)
+            ]
+            runs[seq_len] = results
+    yield recorder, runs
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_fullgraph_matches_eager(compiled_runs, name):
+    _, runs = compiled_runs
+    for seq_len, (compiled, eager) in runs.items():
+        assert_results_close({name: compiled[name]}, {name: eager[name]}, f"S={seq_len}")
+
+
+def test_at_most_two_compiles_for_four_lengths(compiled_runs):
+    recorder, runs = compiled_runs
+    compiles = {kind: len(graphs) for kind, graphs in recorder.graphs.items()}
+    assert all(1 <= n <= 2 for n in compiles.values()), f"{compiles} for lengths {sorted(runs)}"
+
+
+def _tp_fullgraph_matches_eager() -> None:
+    torch._dynamo.reset()
+    group = dist.group.WORLD
+    start, end = vocab_bounds(VOCAB, TP, dist.get_rank())
+    compiled = torch.compile(all_entry_points, backend="inductor", fullgraph=True)
+    results = [
+        forward_backward(fn, *make_inputs(SEQ_LENS[1], start, end), start, end, group)
+        for fn in (compiled, all_entry_points)
+    ]
+    assert_results_close(*results, f"rank {dist.get_rank()}")
+    torch._dynamo.reset()
+
+
+def test_fullgraph_matches_eager_tp2(gloo_pool):
+    gloo_pool(TP).run(_tp_fullgraph_matches_eager)
+
+
+# --------------------------------------------------------------------------------------
+# Collectives in the compiled graphs.
+
+
+def _graph_ops_per_entry_point() -> dict:
+    group = dist.group.WORLD
+    start, end = vocab_bounds(VOCAB, TP, dist.get_rank())
+    found = {}
+    for name, fn in ENTRY_POINTS.items():
+        torch._dynamo.reset()
+        compiled, recorder = compile_recording(fn, "aot_eager", decompose=True)
+        logits, target = make_inputs(SEQ_LENS[0], start, end)
+        compiled(logits[name], target, start, end, group).sum().backward()
+        found[name] = {}
+        for kind in ("forward", "backward"):
+            ops = recorder.ops(kind, "_c10d_functional") | recorder.ops(kind, "compiled_logprob")
+            ops.pop("_c10d_functional::wait_tensor", None)  # waits are not collectives
+            found[name][kind] = ops
+    torch._dynamo.reset()
+    return found
+
+
+@pytest.fixture(scope="module")
+def tp_graph_ops(gloo_pool):
+    """``{entry point: {"forward"|"backward": {op: count}}}``: the collectives and custom ops
+    of rank 0's graphs, decomposed as Inductor decomposes them, at TP=2."""
+    return gloo_pool(TP).run(_graph_ops_per_entry_point)[0]
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_one_all_gather_forward_nothing_backward(tp_graph_ops, name):
+    if name in CHUNKED:
+        # Opaque by design: its collectives (one per chunk) run inside the op.
+        expected_forward = {"compiled_logprob::vocab_parallel_stats_chunked": 1}
+    else:
+        expected_forward = {"_c10d_functional::all_gather_into_tensor": 1}  # op decomposed away
+    expected_backward = {"_c10d_functional::all_reduce": 1} if name in SHARDED_OUTPUT else {}
+    assert tp_graph_ops[name] == {"forward": expected_forward, "backward": expected_backward}
+
+
+# --------------------------------------------------------------------------------------
+# No host syncs on any eager path.
+
+
+def test_no_host_syncs_unsharded():
+    logits, target = make_inputs(SEQ_LENS[2], 0, VOCAB)
+    with no_host_syncs():
+        forward_backward(all_entry_points, logits, target, 0, VOCAB, None)
+
+
+def _no_host_syncs_tp() -> None:
+    start, end = vocab_bounds(VOCAB, TP, dist.get_rank())
+    logits, target = make_inputs(SEQ_LENS[2], start, end)
+    with no_host_syncs():
+        forward_backward(all_entry_points, logits, target, start, end, dist.group.WORLD)
+
+
+def test_no_host_syncs_tp2(gloo_pool):
+    gloo_pool(TP).run(_no_host_syncs_tp)

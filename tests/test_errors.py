@@ -1,0 +1,203 @@
+"""Bad input fails early with a ``ValueError``/``TypeError`` that names the offending values
+and the fix; a target outside the vocabulary fails on the device, eager and compiled; empty
+input is not an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_logprob as cl
+
+LOGITS = torch.randn(2, 5, 7)
+TARGET = torch.randint(0, 7, (2, 5))
+
+
+def _token_logprobs(logits=LOGITS, target=TARGET, **options):
+    return lambda: cl.token_logprobs(logits, target, **options)
+
+
+# name: (call, exception type, substrings the message must contain)
+CASES = {
+    "logits_int": (
+        _token_logprobs(logits=TARGET[..., None].expand(2, 5, 7)),
+        TypeError,
+        ["floating-point", "torch.int64"],
+    ),
+    "logits_not_tensor": (_token_logprobs(logits=[[1.0]]), TypeError, ["torch.Tensor", "list"]),
+    "logits_1d": (
+        lambda: cl.token_logprobs(torch.randn(7), torch.tensor(1)),
+        ValueError,
+        ["[..., S, V_local]", "(7,)"],
+    ),
+    "logits_1d_logsumexp": (
+        lambda: cl.vocab_parallel_logsumexp(torch.randn(7)),
+        ValueError,
+        ["[..., S, V_local]", "(7,)"],
+    ),
+    "logits_0d_log_softmax": (
+        lambda: cl.vocab_parallel_log_softmax(torch.tensor(1.0)),
+        ValueError,
+        ["[..., S, V_local]", "()"],
+    ),
+    "target_float": (_token_logprobs(target=TARGET.float()), TypeError, ["float32", ".long()"]),
+    "target_bool": (_token_logprobs(target=TARGET > 3), TypeError, ["torch.bool", ".long()"]),
+    "target_uint8": (_token_logprobs(target=TARGET.byte()), TypeError, ["torch.uint8", ".long()"]),
+    "target_not_tensor": (_token_logprobs(target=[1, 2]), TypeError, ["torch.Tensor", "list"]),
+    "target_shape": (
+        _token_logprobs(target=TARGET[:, :4]),
+        ValueError,
+        ["(2, 4)", "(2, 5)", "(2, 5, 7)"],
+    ),
+    "target_device": (
+        _token_logprobs(logits=LOGITS.to("meta")),
+        ValueError,
+        ["cpu", "meta", "same device"],
+    ),
+    "chunk_size_zero": (_token_logprobs(chunk_size=0), ValueError, ["chunk_size", "positive", "0"]),
+    "chunk_size_negative": (
+        lambda: cl.vocab_parallel_logsumexp(LOGITS, chunk_size=-1),
+        ValueError,
+        ["chunk_size", "positive int", "-1"],
+    ),
+    "chunk_size_float": (_token_logprobs(chunk_size=2.5), ValueError, ["chunk_size", "2.5"]),
+    "chunk_size_str": (
+        lambda: cl.vocab_parallel_log_softmax(LOGITS, chunk_size="4"),
+        ValueError,
+        ["chunk_size", "'4'"],
+    ),
+    "chunk_size_bool": (_token_logprobs(chunk_size=True), ValueError, ["chunk_size", "True"]),
+    "vocab_start_negative": (
+        _token_logprobs(vocab_start=-1),
+        ValueError,
+        ["vocab_start", "non-negative", "-1"],
+    ),
+    "vocab_start_float": (_token_logprobs(vocab_start=2.0), ValueError, ["vocab_start", "2.0"]),
+    "vocab_start_bool": (_token_logprobs(vocab_start=True), ValueError, ["vocab_start", "True"]),
+    "ignore_index_float": (
+        _token_logprobs(ignore_index=3.0),
+        TypeError,
+        ["ignore_index", "int or None", "3.0"],
+    ),
+    "ignore_index_tensor": (
+        _token_logprobs(ignore_index=torch.tensor(3)),
+        TypeError,
+        ["ignore_index", "int or None", "tensor(3)"],
+    ),
+    "empty_vocab_shard": (
+        lambda: cl.vocab_parallel_logsumexp(torch.randn(2, 5, 0)),
+        ValueError,
+        ["(2, 5, 0)", "empty"],
+    ),
+    "log_softmax_dtype_int": (
+        lambda: cl.vocab_parallel_log_softmax(LOGITS, dtype=torch.int64),
+        TypeError,
+        ["dtype", "floating-point", "torch.int64"],
+    ),
+    "log_softmax_dtype_str": (
+        lambda: cl.vocab_parallel_log_softmax(LOGITS, dtype="float32"),
+        TypeError,
+        ["dtype", "'float32'"],
+    ),
+    "group_str": (_token_logprobs(group="tp"), TypeError, ["ProcessGroup or None", "str"]),
+    "group_int_logsumexp": (
+        lambda: cl.vocab_parallel_logsumexp(LOGITS, group=2),
+        TypeError,
+        ["ProcessGroup or None", "int"],
+    ),
+    "group_list_log_softmax": (
+        lambda: cl.vocab_parallel_log_softmax(LOGITS, group=[0, 1]),
+        TypeError,
+        ["ProcessGroup or None", "list"],
+    ),
+    "group_distributed_logprob": (
+        lambda: cl.DistributedLogprob.apply(LOGITS, TARGET, 0, 7, "tp"),
+        TypeError,
+        ["ProcessGroup or None", "str"],
+    ),
+    "group_chunked_distributed_logprob": (
+        lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, 0, 7, 2, object()),
+        TypeError,
+        ["ProcessGroup or None", "object"],
+    ),
+    "group_compute_distributed_log_softmax": (
+        lambda: cl._compute_distributed_log_softmax(LOGITS, 0),
+        TypeError,
+        ["ProcessGroup or None", "int"],
+    ),
+    "bounds_too_wide": (
+        lambda: cl.DistributedLogprob.apply(LOGITS, TARGET, 0, 8, None),
+        ValueError,
+        ["8 - 0 = 8", "hold 7", "(2, 5, 7)", "own shard bounds"],
+    ),
+    "bounds_too_narrow_chunked": (
+        lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, 3, 7, 2, None),
+        ValueError,
+        ["7 - 3 = 4", "hold 7", "own shard bounds"],
+    ),
+    "chunk_size_zero_chunked_distributed_logprob": (
+        lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, 0, 7, 0, None),
+        ValueError,
+        ["chunk_size", "0"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_message(case):
+    call, error, substrings = CASES[case]
+    with pytest.raises(error) as raised:
+        call()
+    message = str(raised.value)
+    missing = [s for s in substrings if s not in message]
+    assert not missing, f"message {message!r} lacks {missing}"
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("shape", [(2, 0, 7), (0, 3, 7), (4, 2, 0, 7)])
+def test_empty_input_is_not_an_error(shape, chunk_size):
+    logits = torch.randn(shape, requires_grad=True)
+    target = torch.zeros(shape[:-1], dtype=torch.long)
+    logprobs = cl.token_logprobs(logits, target, chunk_size=chunk_size)
+    logprobs.sum().backward()
+    assert logprobs.shape == shape[:-1] and logits.grad.shape == shape
+
+
+def _logprobs(logits, target):
+    return cl.token_logprobs(logits, target)
+
+
+def _chunked_logprobs(logits, target):
+    return cl.token_logprobs(logits, target, chunk_size=2, ignore_index=-100)
+
+
+# >= V, negative, and next to (but not equal to) the chunked call's ignore_index.
+OUT_OF_VOCAB = (7, -1, -101)
+
+
+@pytest.fixture(scope="module")
+def compiled_logprobs():
+    """Inductor compiles the device-side assertion itself: check it survives lowering."""
+    torch._dynamo.reset()
+    yield torch.compile(_logprobs, backend="inductor", fullgraph=True)
+    torch._dynamo.reset()
+
+
+def _assert_out_of_vocab_raises(call) -> None:
+    logits = LOGITS.clone().requires_grad_()
+    call(logits, TARGET)  # valid targets pass (and compile outside pytest.raises)
+    for bad in OUT_OF_VOCAB:
+        target = TARGET.clone()
+        target[1, 3] = bad
+        with pytest.raises(RuntimeError, match="not owned by exactly one vocabulary") as raised:
+            call(logits, target)
+        assert "ignore_index" in str(raised.value)
+
+
+@pytest.mark.parametrize("fn", [_logprobs, _chunked_logprobs], ids=lambda fn: fn.__name__)
+def test_out_of_vocab_target_raises_eager(fn):
+    _assert_out_of_vocab_raises(fn)
+
+
+def test_out_of_vocab_target_raises_compiled(compiled_logprobs):
+    _assert_out_of_vocab_raises(compiled_logprobs)
