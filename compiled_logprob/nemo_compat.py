@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import core
+from compiled_logprob import context_parallel, core, dtensor
 
 __all__ = ["ChunkedDistributedLogprob", "DistributedLogprob", "_compute_distributed_log_softmax"]
 
@@ -95,3 +95,149 @@ def _compute_distributed_log_softmax(
     ``no_grad`` version).
     """
     return core.vocab_parallel_log_softmax(vocab_parallel_logits, group=group)
+
+
+# Context parallelism, packed sequences and DTensor entry points.
+
+__all__ += [
+    "AllGatherCPTensor",
+    "_get_tokens_on_this_cp_rank",
+    "allgather_cp_sharded_tensor",
+    "dtensor_from_parallel_logits_to_logprobs",
+    "from_parallel_logits_to_logprobs",
+    "from_parallel_logits_to_logprobs_packed_sequences",
+    "get_logprobs_from_vocab_parallel_logits",
+]
+
+
+def _get_tokens_on_this_cp_rank(
+    input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1
+) -> torch.Tensor:
+    """CP rank ``cp_rank``'s load-balanced shard of ``input_ids`` along ``seq_dim``; see
+    :func:`compiled_logprob.shard_for_context_parallel`. Identity when ``cp_size == 1``."""
+    if not (isinstance(cp_size, int) and isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+        raise ValueError(
+            f"need ints 0 <= cp_rank < cp_size, got cp_rank={cp_rank!r}, cp_size={cp_size!r}"
+        )
+    return context_parallel._shard(input_ids, cp_rank, cp_size, seq_dim)
+
+
+class AllGatherCPTensor:
+    """Drop-in for NeMo-RL's ``AllGatherCPTensor``; see
+    :func:`compiled_logprob.gather_context_parallel`."""
+
+    @staticmethod
+    def apply(
+        tensor: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1
+    ) -> torch.Tensor:
+        """All CP ranks' load-balanced shards along ``seq_dim``, gathered in natural order."""
+        return context_parallel.gather_context_parallel(tensor, group=cp_group, dim=seq_dim)
+
+
+def allgather_cp_sharded_tensor(
+    tensor: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1
+) -> torch.Tensor:
+    """Drop-in for NeMo-RL's function of the same name: ``AllGatherCPTensor.apply``."""
+    return AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
+
+
+def from_parallel_logits_to_logprobs(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: dist.ProcessGroup | None,
+    inference_only: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 ``[B, S - 1]`` next-token log-probs of ``[B, S_pad / CP, V_local]`` load-balanced
+    logits and the full unshifted ``target`` ``[B, S]``; see
+    :func:`compiled_logprob.context_parallel_logprobs`."""
+    start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
+    if inference_only:
+        vocab_parallel_logits = vocab_parallel_logits.detach()
+    return context_parallel.context_parallel_logprobs(
+        vocab_parallel_logits,
+        target,
+        vocab_start=start,
+        group=tp_group,
+        cp_group=cp_group,
+        chunk_size=chunk_size,
+    )
+
+
+def from_parallel_logits_to_logprobs_packed_sequences(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    group: dist.ProcessGroup | None,
+    inference_only: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 ``[B, unpacked_seqlen - 1]`` next-token log-probs of a packed ``[1, T / CP, V_local]``
+    row (THD layout) and its unshifted ``target`` ``[1, T]``; see
+    :func:`compiled_logprob.packed_context_parallel_logprobs`."""
+    start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
+    if inference_only:
+        vocab_parallel_logits = vocab_parallel_logits.detach()
+    return context_parallel.packed_context_parallel_logprobs(
+        vocab_parallel_logits,
+        target,
+        cu_seqlens_padded,
+        max_seqlen=unpacked_seqlen,
+        vocab_start=start,
+        group=group,
+        cp_group=cp_group,
+        chunk_size=chunk_size,
+    )
+
+
+def dtensor_from_parallel_logits_to_logprobs(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: dist.ProcessGroup | None,
+    inference_only: bool = False,
+    seq_index: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits; ``target``
+    is a tensor, or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
+    :func:`compiled_logprob.dtensor_logprobs`."""
+    start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
+    if inference_only:
+        vocab_parallel_logits = vocab_parallel_logits.detach()
+    return dtensor._local_logprobs(
+        vocab_parallel_logits, target, start, tp_group, seq_index, chunk_size
+    )
+
+
+def get_logprobs_from_vocab_parallel_logits(
+    vocab_parallel_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    seq_index: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 ``[B, S - 1]`` next-token log-probs of DTensor logits sharded on the vocabulary over
+    mesh axis ``"tp"``; see :func:`compiled_logprob.dtensor_logprobs`."""
+    if not isinstance(vocab_parallel_logits, dtensor.DTensor):
+        raise TypeError(
+            f"vocab_parallel_logits must be a DTensor, got {type(vocab_parallel_logits).__name__}; "
+            "use from_parallel_logits_to_logprobs for plain tensors"
+        )
+    names = vocab_parallel_logits.device_mesh.mesh_dim_names
+    if seq_index is not None and (names is None or "cp" not in names):
+        raise ValueError(
+            f"seq_index is given but the logits' device mesh (axes {names}) has no 'cp' axis"
+        )
+    if not torch.is_grad_enabled():
+        vocab_parallel_logits = vocab_parallel_logits.detach()
+    return dtensor.dtensor_logprobs(
+        vocab_parallel_logits, input_ids, seq_index=seq_index, chunk_size=chunk_size
+    )

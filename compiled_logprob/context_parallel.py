@@ -1,0 +1,334 @@
+"""Context parallelism (CP): load-balanced sequence shards, their gather, and next-token
+log-probs of TP×CP-sharded logits, plain and packed (THD).
+
+Layout. With ``C`` CP ranks a sequence (padded to a multiple of ``2C``) is cut into ``2C``
+equal chunks and CP rank ``r`` holds chunks ``r`` and ``2C-1-r``, concatenated: under causal
+attention that gives every rank the same work. A packed row (TransformerEngine's THD
+layout) shards each padded sequence this way on its own, and rank ``r``'s buffer holds
+sequence ``i`` at ``[cu[i] / C, cu[i+1] / C)``.
+
+Every layout is a map ``positions[r, q]`` from (rank, local position) to a position in the
+full row, built on the device by index arithmetic (no host data, so nothing syncs and
+nothing specialises on sequence lengths). A shard is an ``index_select`` of this rank's
+row; the gather is one all-gather followed by an ``index_copy`` to the positions. Its
+backward is the matching ``index_select`` followed by one reduce-scatter (the all-gather's
+own backward), so each rank receives the sum over CP ranks of the upstream gradients at
+its positions.
+
+Shape legend: ``B`` batch, ``S`` full sequence, ``C`` CP ranks, ``L`` this rank's part of
+the (padded) sequence, ``T`` tokens of a packed row, ``V_local`` this rank's vocabulary
+slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from compiled_logprob import core
+
+__all__ = [
+    "context_parallel_logprobs",
+    "gather_context_parallel",
+    "packed_context_parallel_logprobs",
+    "shard_for_context_parallel",
+]
+
+
+def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    core._group_name(group)  # validates the group
+    if group is None:
+        return 1, 0
+    return group.size(), group.rank()
+
+
+def _normalized_dim(tensor: torch.Tensor, dim: int) -> int:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+    return dim % tensor.dim()
+
+
+def _check_local_len(local_len: int, size: int, what: str) -> None:
+    if size > 1 and local_len % 2:
+        raise ValueError(
+            f"{what} has local sequence length {local_len} on each of {size} CP ranks, which "
+            f"cannot hold 2 equal load-balanced chunks: pad the full sequence to a multiple of "
+            f"2 * cp_size = {2 * size} before sharding it"
+        )
+
+
+def _load_balanced_positions(local, seq_start, seq_len, rank, size):
+    """Position in the full row of local position ``local`` of CP rank ``rank``, for the
+    sequence ``[seq_start, seq_start + seq_len)`` of the full row (all broadcastable)."""
+    chunk = seq_len // (2 * size)
+    offset = local - seq_start // size
+    # The first `chunk` local slots hold chunk `rank`, the next ones chunk `2 * size - 1 - rank`.
+    skip = torch.where(offset < chunk, rank, 2 * size - 2 - rank) * chunk
+    return seq_start + offset + skip
+
+
+def _positions(local_len: int, size: int, device: torch.device) -> torch.Tensor:
+    """``[C, L]``: the load-balanced layout of one sequence of ``C * L`` positions."""
+    local = torch.arange(local_len, device=device)
+    ranks = torch.arange(size, device=device).unsqueeze(-1)
+    return _load_balanced_positions(local, 0, size * local_len, ranks, size)
+
+
+def _gather_to_positions(
+    tensor: torch.Tensor, positions: torch.Tensor, group_name: str | None, dim: int
+) -> torch.Tensor:
+    """Gather every rank's ``tensor`` along ``dim``, putting rank r's element q at
+    ``positions[r, q]``. ``group_name=None``: this rank's ``tensor`` is all there is."""
+    gathered = tensor.movedim(dim, 0)
+    if group_name is not None:
+        # Built-in backward: one reduce-scatter (sum) of the gradient, which index_copy's
+        # backward has put back in gathered order.
+        gathered = funcol.all_gather_single(gathered.contiguous(), 0, group_name)
+    placed = torch.zeros_like(gathered).index_copy(0, positions.flatten(), gathered)
+    return placed.movedim(0, dim)
+
+
+def _shard(tensor: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+    if size == 1:
+        return tensor
+    dim = _normalized_dim(tensor, dim)
+    full_len = tensor.shape[dim]
+    if full_len % (2 * size):
+        raise ValueError(
+            f"the sequence length {full_len} (dim {dim} of shape {tuple(tensor.shape)}) is not "
+            f"a multiple of 2 * cp_size = {2 * size}: pad it first"
+        )
+    local = torch.arange(full_len // size, device=tensor.device)
+    return tensor.index_select(dim, _load_balanced_positions(local, 0, full_len, rank, size))
+
+
+def shard_for_context_parallel(
+    tensor: torch.Tensor, *, group: dist.ProcessGroup | None, dim: int = 1
+) -> torch.Tensor:
+    """This CP rank's load-balanced shard of a sequence, ``[..., S, ...] -> [..., S / C, ...]``.
+
+    Eager equivalent: ``torch.cat([c[rank], c[2 * C - 1 - rank]], dim)`` with
+    ``c = tensor.chunk(2 * C, dim)``. ``S`` must be a multiple of ``2 * C``; ``group=None``
+    (or a group of size 1) returns ``tensor`` itself.
+    """
+    size, rank = _size_rank(group)
+    return _shard(tensor, rank, size, dim)
+
+
+def gather_context_parallel(
+    tensor: torch.Tensor, *, group: dist.ProcessGroup | None, dim: int = 1
+) -> torch.Tensor:
+    """All CP ranks' load-balanced shards in natural order, ``[..., L, ...] -> [..., C * L, ...]``.
+
+    Eager equivalent: the inverse of :func:`shard_for_context_parallel` applied to the
+    concatenation of all ranks' shards. One all-gather forward; backward, one reduce-scatter:
+    each rank's shard receives the sum over the CP ranks of the gradients at its positions.
+    """
+    size, _ = _size_rank(group)
+    if size == 1:
+        return tensor
+    dim = _normalized_dim(tensor, dim)
+    _check_local_len(tensor.shape[dim], size, f"tensor of shape {tuple(tensor.shape)} (dim {dim})")
+    positions = _positions(tensor.shape[dim], size, tensor.device)
+    return _gather_to_positions(tensor, positions, group.group_name, dim)
+
+
+def _check_ids(logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: int | None) -> None:
+    core._validate_logits(logits, chunk_size)
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != logits.dim() - 1 or input_ids.shape[:-1] != logits.shape[:-2]:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} must be [..., S] with the leading shape of the "
+            f"logits {tuple(logits.shape)} ([..., L, V_local])"
+        )
+    if input_ids.device != logits.device:
+        raise ValueError(f"input_ids are on {input_ids.device} but logits on {logits.device}")
+
+
+def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
+    if not isinstance(seq_index, torch.Tensor) or seq_index.is_floating_point():
+        raise TypeError(f"seq_index must be an integer tensor, got {seq_index!r:.80}")
+    if seq_index.shape != (full_len,):
+        raise ValueError(
+            f"seq_index has shape {tuple(seq_index.shape)}, expected ({full_len},): one natural "
+            f"position per position of the CP-ordered sequence (CP size x local length)"
+        )
+    if seq_index.device != like.device:
+        raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
+
+
+def context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    seq_index: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Next-token log-probs of TP×CP-sharded logits, fp32 ``[..., S - 1]`` in natural order.
+
+    Eager equivalent: ``log_softmax(full.float(), -1)[..., :-1, :].gather(-1, ids[..., 1:, None])[..., 0]``
+    with ``full`` all ranks' logits in natural order (full vocabulary, unpadded) and ``ids``
+    the ``input_ids``.
+
+    Args:
+        logits: ``[..., L, V_local]``, this rank's vocabulary slice of its part of the
+            sequence. By default that part is the load-balanced shard
+            (:func:`shard_for_context_parallel`) of the sequence padded to ``C * L``; with
+            ``seq_index`` it is ``[rank * L, (rank + 1) * L)`` of the permuted sequence.
+        input_ids: ``[..., S]`` the full, unshifted token ids in natural order, ``S <= C * L``.
+        vocab_start: first global vocabulary id of this rank's slice.
+        group: the vocab-parallel (TP) group; ``None`` means an unsharded vocabulary.
+        cp_group: the context-parallel group; ``None`` means no CP.
+        seq_index: ``[C * L]`` natural position of each position of the CP-ordered sequence
+            (``torch.distributed.tensor.experimental.context_parallel``'s layout).
+        chunk_size: as in :func:`compiled_logprob.token_logprobs`.
+
+    One all-gather of ``[..., L]`` fp32 log-probs over CP forward, one reduce-scatter backward;
+    a rank's logits receive the sum over CP ranks of the upstream gradients at its positions.
+    """
+    _check_ids(logits, input_ids, chunk_size)
+    size, rank = _size_rank(cp_group)
+    local_len, seq_len = logits.shape[-2], input_ids.shape[-1]
+    padded_len = size * local_len
+    if padded_len < seq_len:
+        raise ValueError(
+            f"the logits hold {local_len} positions on each of {size} CP ranks ({padded_len} in "
+            f"all), fewer than the {seq_len} positions of input_ids {tuple(input_ids.shape)}"
+        )
+    if seq_index is None:
+        _check_local_len(local_len, size, f"logits of shape {tuple(logits.shape)}")
+        positions = _positions(local_len, size, logits.device)
+    else:
+        _check_seq_index(seq_index, padded_len, logits)
+        positions = seq_index.view(size, local_len)
+    # NeMo's shift: position t scores token t + 1; the last position's target is dropped.
+    next_ids = F.pad(input_ids.roll(-1, -1), (0, padded_len - seq_len))
+    logprobs = core.token_logprobs(
+        logits,
+        next_ids.index_select(-1, positions[rank]),
+        vocab_start=vocab_start,
+        group=group,
+        chunk_size=chunk_size,
+    )
+    group_name = None if size == 1 else cp_group.group_name
+    return _gather_to_positions(logprobs, positions, group_name, -1)[..., : seq_len - 1]
+
+
+def _check_packed(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    size: int,
+) -> None:
+    _check_ids(logits, input_ids, None)
+    if logits.dim() != 3 or logits.shape[0] != 1:
+        raise ValueError(f"packed logits must be [1, T / C, V_local], got {tuple(logits.shape)}")
+    if input_ids.shape[-1] != size * logits.shape[1]:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} must hold all T = {size} CP ranks x "
+            f"{logits.shape[1]} local positions = {size * logits.shape[1]} packed tokens"
+        )
+    _check_local_len(logits.shape[1], size, f"packed logits of shape {tuple(logits.shape)}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        got = getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__)
+        raise TypeError(f"cu_seqlens_padded must be an int32 or int64 tensor, got {got}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens_padded must be 1-D [B + 1] with B >= 1 (0, end of sequence 0, ...), "
+            f"got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != logits.device:
+        raise ValueError(
+            f"cu_seqlens_padded is on {cu_seqlens.device} but logits on {logits.device}"
+        )
+    if not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"unpacked_seqlen/max_seqlen must be a positive int, got {max_seqlen!r}")
+
+
+def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
+    """Checked on the device (no host sync): the values of ``cu_seqlens_padded``."""
+    well_formed = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
+    torch._assert_async(
+        well_formed,
+        # No T in the message: formatting a dynamic size would specialise the graph on it.
+        "cu_seqlens_padded must start at 0, never decrease and end at T, the packed row's "
+        "length (input_ids.shape[-1])",
+    )
+    if size > 1:
+        torch._assert_async(
+            (cu % (2 * size) == 0).all(),
+            f"every padded sequence length in cu_seqlens_padded must be a multiple of "
+            f"2 * cp_size = {2 * size}, so that it splits into equal load-balanced chunks",
+        )
+
+
+def packed_context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Next-token log-probs of a packed (THD) TP×CP-sharded row, as fp32 ``[B, max_seqlen - 1]``.
+
+    Eager equivalent: row ``i`` is ``log_softmax(seq.float(), -1)[:-1].gather(-1, ids[1:, None])[:, 0]``
+    zero-filled or cut to ``max_seqlen - 1``, for padded sequence ``i`` (``seq``, ``ids``: the
+    full row's logits and ids at ``[cu[i], cu[i+1])``).
+
+    Args:
+        logits: ``[1, T / C, V_local]``; every padded sequence load-balanced-sharded on its
+            own, this rank's part of sequence ``i`` at ``[cu[i] / C, cu[i+1] / C)``.
+        input_ids: ``[1, T]`` the full packed, unshifted token ids.
+        cu_seqlens_padded: ``[B + 1]`` int32/int64 tensor of padded sequence boundaries
+            (full row, not divided by ``C``), each length a multiple of ``2 * C``. It stays
+            on the device: its values are checked there and never read by the host.
+        max_seqlen: the unpacked length; the output has ``max_seqlen - 1`` columns.
+        vocab_start, group, cp_group, chunk_size: as in :func:`context_parallel_logprobs`.
+
+    Within each sequence, position t scores token t + 1; the last position's (wrapped)
+    target is dropped. One all-gather of fp32 log-probs over CP in total.
+    """
+    size, rank = _size_rank(cp_group)
+    _check_packed(logits, input_ids, cu_seqlens_padded, max_seqlen, size)
+    local_len, total = logits.shape[1], input_ids.shape[-1]
+    batch = cu_seqlens_padded.numel() - 1
+    cu = cu_seqlens_padded.long()
+    _assert_packing(cu, total, size)
+
+    local = torch.arange(local_len, device=logits.device)
+    seq = torch.searchsorted(cu[1:] // size, local, right=True).clamp(max=batch - 1)
+    start, end = cu[seq], cu[seq + 1]
+    ranks = torch.arange(size, device=logits.device).unsqueeze(-1)
+    positions = _load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
+    mine = positions[rank]
+    next_pos = torch.where(mine + 1 < end, mine + 1, start)  # roll within each sequence
+    logprobs = core.token_logprobs(
+        logits,
+        input_ids.index_select(-1, next_pos),
+        vocab_start=vocab_start,
+        group=group,
+        chunk_size=chunk_size,
+    )
+    group_name = None if size == 1 else cp_group.group_name
+    packed = _gather_to_positions(logprobs, positions, group_name, -1)[0]  # [T]
+
+    column = torch.arange(max_seqlen - 1, device=logits.device)
+    source = (cu[:-1].unsqueeze(-1) + column).clamp(max=total - 1)  # [B, max_seqlen - 1]
+    keep = column < (cu[1:] - cu[:-1] - 1).unsqueeze(-1)
+    return torch.where(keep, packed[source], 0.0)

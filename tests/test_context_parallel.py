@@ -1,0 +1,600 @@
+"""Context parallelism, packed sequences and DTensor entry points against the float64 oracle.
+
+Every case builds the same full (natural-order, full-vocabulary) logits and token ids on
+every rank from one seed, cuts out the rank's part with this file's own chunk-and-concat
+reference of the load-balanced layout (independent of the library's index maps), and
+compares the rank's output with the oracle's. Gradients: each rank backpropagates its own
+upstream gradient; the CP gather's backward must hand each rank the sum over its CP group
+of the upstream gradients at its positions, so the expected logits gradient is the
+oracle's under that summed upstream, cut out like the logits.
+
+Ranks are laid out on a ``("cp", "tp")`` device mesh; grids are ``(tp, cp)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from compiled_logprob import context_parallel as cp_api
+from compiled_logprob import dtensor as dt_api
+from compiled_logprob import nemo_compat as nemo
+from compiled_logprob.testing.reference import oracle_logprobs, vocab_bounds
+from compiled_logprob.testing.sync_check import no_host_syncs
+
+GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]  # (tp, cp)
+BATCH, VOCAB = 2, 97
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_MESHES: dict[tuple[int, int], object] = {}
+
+
+# --- helpers, run inside the gloo workers ------------------------------------------------
+
+
+def _layout(tp: int, cp: int):
+    """``(mesh, tp_group, cp_group, tp_rank, cp_rank)``; the mesh is built once per process."""
+    if (tp, cp) not in _MESHES:
+        _MESHES[tp, cp] = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    mesh = _MESHES[tp, cp]
+    return (
+        mesh,
+        mesh.get_group("tp"),
+        mesh.get_group("cp"),
+        mesh.get_local_rank("tp"),
+        mesh.get_local_rank("cp"),
+    )
+
+
+def _ref_shard(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    chunks = x.chunk(2 * size, dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
+
+
+def _upstreams(shape, seed: int, tp_rank: int, cp_rank: int, cp: int):
+    """This rank's upstream gradient and the sum of those of its CP group (same tp_rank)."""
+    grads = [
+        torch.randn(
+            shape,
+            generator=torch.Generator().manual_seed(seed * 97 + tp_rank * 13 + c),
+            dtype=torch.float64,
+        )
+        for c in range(cp)
+    ]
+    return grads[cp_rank], sum(grads)
+
+
+def _assert_matches(out, expected, grad, expected_grad, upstream_sum, dtype) -> None:
+    assert out.dtype == torch.float32 and out.shape == expected.shape, (out.shape, expected.shape)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # fp32 math, then the gradient's rounding into the logits' dtype.
+    rtol = 1e-5 if dtype == torch.float32 else 2.0**-8
+    atol = 1e-6 * float(upstream_sum.abs().max())
+    assert grad.dtype == dtype and grad.shape == expected_grad.shape, (
+        grad.shape,
+        expected_grad.shape,
+    )
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
+
+
+def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk):
+    if api == "context_parallel_logprobs":
+        return cp_api.context_parallel_logprobs(
+            logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group, chunk_size=chunk
+        )
+    return nemo.from_parallel_logits_to_logprobs(
+        logits, ids, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk
+    )
+
+
+def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0):
+    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    dtype = DTYPES[dtype_name]
+    local_len = 2 * -(-seq // (2 * cp))  # room for S, load-balanced chunks
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64).to(dtype)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
+
+    out = _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk)
+    oracle_in = full.double().requires_grad_()
+    expected = oracle_logprobs(oracle_in[:, : seq - 1], ids[:, 1:])
+    upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
+    (expected * upstream_sum).sum().backward()
+    (out * upstream.float()).sum().backward()
+    expected_grad = _ref_shard(oracle_in.grad, cp_rank, cp, 1)[..., lo:hi]
+    _assert_matches(out, expected, logits.grad, expected_grad, upstream_sum, dtype)
+
+
+def _packed_layout(lengths, cp, seed, cu_dtype):
+    """Full packed logits ``[T, V]``, ids ``[T]`` and ``cu_seqlens_padded`` for sequences of
+    ``lengths`` real tokens, each padded to a multiple of ``2 * cp`` under CP."""
+    unit = 2 * cp if cp > 1 else 1  # without CP, odd lengths need no padding
+    padded = [-(-n // unit) * unit for n in lengths]
+    cu = torch.tensor([0, *itertools.accumulate(padded)], dtype=cu_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(int(cu[-1]), VOCAB, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (int(cu[-1]),), generator=gen)
+    return full, ids, cu
+
+
+def _packed_oracle(full, ids, cu, max_seqlen):
+    rows = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        row = oracle_logprobs(full[start : end - 1], ids[start + 1 : end])[: max_seqlen - 1]
+        rows.append(torch.nn.functional.pad(row, (0, max_seqlen - 1 - row.numel())))
+    return torch.stack(rows)
+
+
+def _packed_logprobs(api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group, chunk):
+    if api == "packed_context_parallel_logprobs":
+        return cp_api.packed_context_parallel_logprobs(
+            logits,
+            ids,
+            cu,
+            max_seqlen=max_seqlen,
+            vocab_start=lo,
+            group=tp_group,
+            cp_group=cp_group,
+            chunk_size=chunk,
+        )
+    return nemo.from_parallel_logits_to_logprobs_packed_sequences(
+        logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk
+    )
+
+
+def _check_packed(tp, cp, api, lengths, max_seqlen, chunk, cu_dtype, seed=0):
+    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    full, ids, cu = _packed_layout(lengths, cp, seed, cu_dtype)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    local = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])
+    logits = local[None, :, lo:hi].float().requires_grad_()
+
+    out = _packed_logprobs(
+        api, logits, ids[None], cu, max_seqlen, lo, hi, tp_group, cp_group, chunk
+    )
+    oracle_in = full.float().double().requires_grad_()
+    expected = _packed_oracle(oracle_in, ids, cu, max_seqlen)
+    upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
+    (expected * upstream_sum).sum().backward()
+    (out * upstream.float()).sum().backward()
+    expected_grad = torch.cat([_ref_shard(oracle_in.grad[s:e], cp_rank, cp, 0) for s, e in bounds])
+    _assert_matches(
+        out, expected, logits.grad, expected_grad[None, :, lo:hi], upstream_sum, torch.float32
+    )
+
+
+def _dtensor_vocab_bounds(tp_rank: int, tp: int) -> tuple[int, int]:
+    """DTensor's Shard semantics (torch.chunk), unlike vocab_bounds: 97 over 4 is 25,25,25,22."""
+    sizes = [len(c) for c in torch.arange(VOCAB).chunk(tp)]
+    return sum(sizes[:tp_rank]), sum(sizes[: tp_rank + 1])
+
+
+def _check_dtensor(tp, cp, api, seq, chunk, seed=0):
+    mesh, tp_group, _, tp_rank, cp_rank = _layout(tp, cp)
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(BATCH, seq, VOCAB, generator=gen, dtype=torch.float64).float()
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    # Any permutation will do: seq_index[k] is the natural position of CP-ordered position k.
+    seq_index = torch.randperm(seq, generator=gen) if cp > 1 else torch.arange(seq)
+    ordered, ordered_ids = full[:, seq_index], ids[:, seq_index]
+    local_len = seq // cp
+    rows = slice(cp_rank * local_len, (cp_rank + 1) * local_len)
+    given_index = seq_index if cp > 1 else None
+
+    if api == "dtensor_from_parallel_logits_to_logprobs":
+        lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+        logits = ordered[:, rows, lo:hi].clone().requires_grad_()
+        target = distribute_tensor(ordered_ids, mesh["cp"], [Shard(1)])
+        out = nemo.dtensor_from_parallel_logits_to_logprobs(
+            logits, target, lo, hi, tp_group, seq_index=given_index, chunk_size=chunk
+        )
+        grad = lambda: logits.grad
+    else:
+        lo, hi = _dtensor_vocab_bounds(tp_rank, tp)
+        logits = distribute_tensor(ordered, mesh, [Shard(1), Shard(2)]).requires_grad_()
+        target = distribute_tensor(ordered_ids, mesh, [Shard(1), Replicate()])
+        if api == "dtensor_logprobs":
+            out = dt_api.dtensor_logprobs(logits, target, seq_index=given_index, chunk_size=chunk)
+        else:
+            out = nemo.get_logprobs_from_vocab_parallel_logits(logits, target, given_index, chunk)
+        assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
+        grad = lambda: logits.grad.to_local()
+
+    oracle_in = full.double().requires_grad_()
+    expected = oracle_logprobs(oracle_in[:, :-1], ids[:, 1:])
+    upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
+    (expected * upstream_sum).sum().backward()
+    (out * upstream.float()).sum().backward()
+    expected_grad = oracle_in.grad[:, seq_index][:, rows, lo:hi]
+    _assert_matches(out, expected, grad(), expected_grad, upstream_sum, torch.float32)
+
+
+def _check_gather(tp, cp, seed=0):
+    _, _, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(3, 4 * cp, 2, generator=gen, dtype=torch.float64)
+    gathers = {
+        "gather_context_parallel": lambda x, d: cp_api.gather_context_parallel(
+            x, group=cp_group, dim=d
+        ),
+        "AllGatherCPTensor": lambda x, d: nemo.AllGatherCPTensor.apply(x, cp_group, d),
+        "allgather_cp_sharded_tensor": lambda x, d: nemo.allgather_cp_sharded_tensor(
+            x, cp_group, seq_dim=d
+        ),
+    }
+    for (name, gather), dim in itertools.product(gathers.items(), (1, -2, 0)):
+        x = full.movedim(1, dim)
+        local = _ref_shard(x, cp_rank, cp, dim).clone().requires_grad_()
+        out = gather(local, dim)
+        assert torch.equal(out, x), (name, dim)
+        upstream, upstream_sum = _upstreams(x.shape, seed, tp_rank, cp_rank, cp)
+        out.backward(upstream)
+        torch.testing.assert_close(
+            local.grad, _ref_shard(upstream_sum, cp_rank, cp, dim), msg=f"{name} dim={dim}"
+        )
+    shard = cp_api.shard_for_context_parallel(full, group=cp_group, dim=1)
+    assert torch.equal(shard, _ref_shard(full, cp_rank, cp, 1))
+
+
+def _check_grid(tp, cp):
+    """The whole numerics battery of one grid, in one round trip to the pool."""
+    seq = 13 if cp < 4 else 11  # both need padding
+    for api, (chunk, dtype) in itertools.product(
+        ("context_parallel_logprobs", "from_parallel_logits_to_logprobs"),
+        ((None, "fp32"), (3, "fp32"), (None, "bf16")),
+    ):
+        _check_cp(tp, cp, api, seq, chunk, dtype)
+    _check_cp(
+        tp, cp, "from_parallel_logits_to_logprobs", 2 * cp * 3, None, "fp32", seed=1
+    )  # no padding
+    lengths = (5, 0, 9, 1, 3)
+    for api, chunk, (max_seqlen, cu_dtype) in itertools.product(
+        ("packed_context_parallel_logprobs", "from_parallel_logits_to_logprobs_packed_sequences"),
+        (None, 5),
+        ((7, torch.int32), (20, torch.int64)),
+    ):
+        _check_packed(tp, cp, api, lengths, max_seqlen, chunk, cu_dtype)
+    for api, chunk in itertools.product(
+        (
+            "dtensor_from_parallel_logits_to_logprobs",
+            "get_logprobs_from_vocab_parallel_logits",
+            "dtensor_logprobs",
+        ),
+        (None, 3),
+    ):
+        _check_dtensor(tp, cp, api, 12 if cp < 4 else 16, chunk)
+    _check_gather(tp, cp)
+
+
+# --- the tests -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp,cp", GRIDS, ids=[f"tp{tp}xcp{cp}" for tp, cp in GRIDS])
+def test_matches_oracle(gloo_pool, tp, cp):
+    gloo_pool(tp * cp).run(_check_grid, tp, cp)
+
+
+def _check_uneven_vocab(tp):
+    for api in ("get_logprobs_from_vocab_parallel_logits", "dtensor_logprobs"):
+        _check_dtensor(tp, 1, api, 12, None)
+
+
+def test_dtensor_uneven_vocab(gloo_pool):
+    """V = 97 over 4 TP ranks: DTensor gives 25, 25, 25, 22, not 97 // 4 each."""
+    gloo_pool(4).run(_check_uneven_vocab, 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cp_size=st.integers(1, 5),
+    chunk=st.integers(1, 3),
+    lead=st.integers(1, 2),
+    dim=st.sampled_from([0, 1, -1]),
+)
+def test_get_tokens_on_this_cp_rank(cp_size, chunk, lead, dim):
+    x = torch.arange(lead * 2 * cp_size * chunk * 2).view(lead, -1, 2).movedim(1, dim)
+    shards = [nemo._get_tokens_on_this_cp_rank(x, r, cp_size, dim) for r in range(cp_size)]
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard, _ref_shard(x, rank, cp_size, dim))
+
+
+def test_get_tokens_on_this_cp_rank_bad_input():
+    x = torch.arange(12)
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 8"):
+        nemo._get_tokens_on_this_cp_rank(x, 0, 4, 0)
+    with pytest.raises(ValueError, match="0 <= cp_rank < cp_size"):
+        nemo._get_tokens_on_this_cp_rank(x, 2, 2, 0)
+
+
+def test_without_torch_distributed():
+    """No CP group, no TP group (odd sequence lengths allowed): no torch.distributed needed."""
+    full = torch.randn(2, 9, 11, dtype=torch.float64).float()
+    ids = torch.randint(0, 11, (2, 9))
+    expected = oracle_logprobs(full.double()[:, :-1], ids[:, 1:])
+    for out in (
+        nemo.from_parallel_logits_to_logprobs(full, ids, 0, 11, None),
+        nemo.dtensor_from_parallel_logits_to_logprobs(full, ids, 0, 11, None),
+        cp_api.context_parallel_logprobs(full, ids),
+    ):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    packed_full, packed_ids, cu = _packed_layout((3, 1, 6, 5), 1, 0, torch.int64)
+    expected = _packed_oracle(packed_full, packed_ids, cu, 6)
+    out = nemo.from_parallel_logits_to_logprobs_packed_sequences(
+        packed_full[None].float(), packed_ids[None], cu, 6, 0, VOCAB, None
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- compile contract, host syncs, bad input ---------------------------------------------
+
+
+def _compile_checks(tp, cp):
+    """fullgraph=True forward and backward matches eager, across 4 lengths with at most 2
+    compiles per entry point (the second one dynamic)."""
+    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    torch._dynamo.reset()
+
+    def plain(logits, ids):
+        return nemo.from_parallel_logits_to_logprobs(
+            logits, ids, lo, hi, tp_group, cp_group=cp_group
+        )
+
+    def packed(logits, ids, cu, max_seqlen):
+        return nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group=cp_group
+        )
+
+    def run(fn, leaf, *args):
+        leaf = leaf.detach().requires_grad_()
+        out = fn(leaf, *args)
+        out.backward(torch.ones_like(out))
+        return out, leaf.grad
+
+    counts = {}
+    for name, fn, cases in (
+        ("plain", plain, [(seq,) for seq in (10, 14, 19, 23)]),
+        ("packed", packed, [((3, 4, 7), 6), ((9, 1, 4), 9), ((2, 12, 5), 8), ((1, 1, 17), 12)]),
+    ):
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        for seed, case in enumerate(cases):
+            if name == "plain":
+                (seq,) = case
+                local_len = 2 * -(-seq // (2 * cp))
+                gen = torch.Generator().manual_seed(seed)
+                full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen)
+                leaf = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi]
+                args = (torch.randint(0, VOCAB, (BATCH, seq), generator=gen),)
+            else:
+                lengths, max_seqlen = case
+                full, ids, cu = _packed_layout(lengths, cp, seed, torch.int32)
+                bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+                leaf = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])[
+                    None, :, lo:hi
+                ].float()
+                args = (ids[None], cu, max_seqlen)
+            eager_out, eager_grad = run(fn, leaf, *args)
+            out, grad = run(compiled, leaf, *args)
+            torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-6)
+        counts[name] = counter.frame_count
+    assert all(count <= 2 for count in counts.values()), counts
+    return counts
+
+
+def _compile_other_entry_points(tp, cp):
+    """The DTensor entry points (Inductor) and the CP shard/gather (aot_eager, for speed) trace
+    whole, forward and backward, and match eager; returns the DTensor entry's compile count."""
+    mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    torch._dynamo.reset()
+    seq = 8
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(BATCH, seq, VOCAB, generator=gen)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    seq_index = torch.randperm(seq, generator=gen)
+    target = distribute_tensor(ids[:, seq_index], mesh, [Shard(1), Replicate()])
+
+    def from_dtensor(local):
+        logits = DTensor.from_local(local, mesh, [Shard(1), Shard(2)], run_check=False)
+        return nemo.get_logprobs_from_vocab_parallel_logits(logits, target, seq_index)
+
+    def from_local(local):
+        return nemo.dtensor_from_parallel_logits_to_logprobs(
+            local, target, lo, hi, tp_group, seq_index=seq_index
+        )
+
+    def gather(whole):
+        shard = nemo._get_tokens_on_this_cp_rank(whole, cp_rank, cp, 1)
+        return nemo.allgather_cp_sharded_tensor(shard, cp_group) * nemo.AllGatherCPTensor.apply(
+            cp_api.shard_for_context_parallel(whole, group=cp_group), cp_group, 1
+        )
+
+    local = full[:, seq_index].chunk(cp, 1)[cp_rank][..., lo:hi]
+    counter = CompileCounterWithBackend("inductor")
+    for fn, backend, leaf in (
+        (from_dtensor, counter, local),
+        (from_local, "inductor", local),
+        (gather, "aot_eager", full),
+    ):
+        results = []
+        for run in (fn, torch.compile(fn, backend=backend, fullgraph=True)):
+            leaf = leaf.detach().requires_grad_()
+            out = run(leaf)
+            out.backward(torch.ones_like(out))
+            results.append((out, leaf.grad))
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    return counter.frame_count
+
+
+def _host_sync_checks(tp, cp):
+    """Eager forward and backward of every entry point, under the host-sync dispatch check."""
+    mesh, tp_group, cp_group, tp_rank, _ = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    gen = torch.Generator().manual_seed(0)  # the same ids on every rank
+    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp), generator=gen)
+    seq_index = torch.randperm(6 * cp, generator=gen)
+    logits = torch.randn(BATCH, 6, hi - lo, requires_grad=True)
+    full, packed_ids, cu = _packed_layout((3, 5), cp, 0, torch.int32)
+    packed_logits = torch.randn(1, full.shape[0] // cp, hi - lo, requires_grad=True)
+    dt_logits = distribute_tensor(
+        torch.randn(BATCH, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]
+    ).requires_grad_()
+    dt_ids = distribute_tensor(ids, mesh, [Shard(1), Replicate()])
+    with no_host_syncs():
+        outs = [
+            nemo.from_parallel_logits_to_logprobs(
+                logits, ids[:, 1:], lo, hi, tp_group, cp_group=cp_group, chunk_size=4
+            ),
+            nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                packed_logits, packed_ids[None], cu, 5, lo, hi, tp_group, cp_group=cp_group
+            ),
+            nemo.get_logprobs_from_vocab_parallel_logits(dt_logits, dt_ids, seq_index),
+            nemo.allgather_cp_sharded_tensor(logits, cp_group),
+        ]
+        sum(out.sum() for out in outs).backward()
+
+
+class _Collectives(TorchDispatchMode):
+    """Records the functional collectives dispatched at the top level (not inside custom ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "_c10d_functional" and name not in (
+            "wait_tensor",
+            "_wrap_tensor_autograd",
+        ):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _cp_collectives(tp, cp):
+    """The CP collectives of the plain and the packed path: one all-gather forward and one
+    reduce-scatter backward each (no all-reduce)."""
+    _, tp_group, cp_group, tp_rank, _ = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    logits = torch.randn(BATCH, 6, hi - lo, requires_grad=True)
+    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp), generator=torch.Generator().manual_seed(0))
+    full, packed_ids, cu = _packed_layout((3, 5, 2), cp, 0, torch.int64)
+    packed_logits = torch.randn(1, full.shape[0] // cp, hi - lo, requires_grad=True)
+    names = []
+    for call in (
+        lambda: nemo.from_parallel_logits_to_logprobs(
+            logits, ids, lo, hi, tp_group, None, cp_group
+        ),
+        lambda: nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            packed_logits, packed_ids[None], cu, 6, lo, hi, tp_group, cp_group=cp_group
+        ),
+    ):
+        with _Collectives() as forward:
+            out = call()
+        with _Collectives() as backward:
+            out.sum().backward()
+        names.append((forward.names, backward.names))
+    return names
+
+
+def test_compile_fullgraph_no_recompiles(gloo_pool):
+    counts = gloo_pool(2).run(_compile_checks, 1, 2)
+    assert all(count <= 2 for count in counts[0].values()), counts
+
+
+def test_one_collective_each_way(gloo_pool):
+    for forward, backward in itertools.chain(*gloo_pool(2).run(_cp_collectives, 1, 2)):
+        assert forward == ["all_gather_into_tensor"], forward
+        assert backward == ["reduce_scatter_tensor"], backward
+
+
+def test_compile_other_entry_points(gloo_pool):
+    assert gloo_pool(2).run(_compile_other_entry_points, 1, 2)[0] == 1
+
+
+def test_no_host_syncs(gloo_pool):
+    gloo_pool(4).run(_host_sync_checks, 2, 2)
+
+
+def _bad_input_messages(tp, cp):
+    mesh, tp_group, cp_group, tp_rank, _ = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    logits = torch.randn(1, 6, hi - lo)
+    ids = torch.randint(0, VOCAB, (1, 6 * cp))
+    cu = torch.tensor([0, 4 * cp, 6 * cp])
+    cases = {
+        "odd local length": lambda: nemo.from_parallel_logits_to_logprobs(
+            logits[:, :5], ids[:, :5], lo, hi, tp_group, cp_group=cp_group
+        ),
+        "too short": lambda: nemo.from_parallel_logits_to_logprobs(
+            logits, torch.cat([ids, ids], 1), lo, hi, tp_group, cp_group=cp_group
+        ),
+        "odd gather": lambda: nemo.allgather_cp_sharded_tensor(logits[:, :5], cp_group),
+        "cu dtype": lambda: nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu.float(), 4, lo, hi, tp_group, cp_group=cp_group
+        ),
+        "cu rank": lambda: nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu[None], 4, lo, hi, tp_group, cp_group=cp_group
+        ),
+        "cu length": lambda: nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu[:1], 4, lo, hi, tp_group, cp_group=cp_group
+        ),
+        "cu not divisible": lambda: nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu + torch.tensor([0, 1, 0]), 4, lo, hi, tp_group, cp_group=cp_group
+        ),
+        "cu wrong end": lambda: nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu[:2], 4, lo, hi, tp_group, cp_group=cp_group
+        ),
+        "not vocab-sharded": lambda: nemo.get_logprobs_from_vocab_parallel_logits(
+            distribute_tensor(torch.randn(1, 6 * cp, VOCAB), mesh, [Shard(1), Shard(1)]), ids
+        ),
+        "seq_index missing": lambda: nemo.get_logprobs_from_vocab_parallel_logits(
+            distribute_tensor(torch.randn(1, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]),
+            distribute_tensor(ids, mesh, [Shard(1), Replicate()]),
+        ),
+        "plain tensor logits": lambda: nemo.get_logprobs_from_vocab_parallel_logits(logits, ids),
+    }
+    messages = {}
+    for name, call in cases.items():
+        try:
+            call()
+        except (ValueError, TypeError, RuntimeError) as error:
+            messages[name] = f"{type(error).__name__}: {error}"
+        else:
+            messages[name] = None
+    return messages
+
+
+def test_bad_input(gloo_pool):
+    messages = gloo_pool(4).run(_bad_input_messages, 2, 2)[0]
+    expected = {
+        "odd local length": "ValueError: .*cannot hold 2 equal load-balanced chunks",
+        "too short": "ValueError: .*fewer than the 24 positions",
+        "odd gather": "ValueError: .*cannot hold 2 equal",
+        "cu dtype": "TypeError: cu_seqlens_padded must be an int32 or int64",
+        "cu rank": "ValueError: cu_seqlens_padded must be 1-D",
+        "cu length": "ValueError: cu_seqlens_padded must be 1-D",
+        "cu not divisible": "RuntimeError: .*multiple of 2 \\* cp_size = 4",
+        "cu wrong end": "RuntimeError: .*end at T",
+        "not vocab-sharded": "ValueError: the logits must be sharded on the vocabulary",
+        "seq_index missing": "ValueError: seq_index must be given",
+        "plain tensor logits": "TypeError: vocab_parallel_logits must be a DTensor",
+    }
+    for name, pattern in expected.items():
+        assert messages[name] is not None, f"{name}: no error"
+        assert re.search(pattern, messages[name], flags=re.DOTALL), (name, messages[name])
