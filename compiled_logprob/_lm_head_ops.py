@@ -1,0 +1,196 @@
+"""Op registrations for token log-probs straight from hidden states (no logits tensor).
+
+* ``compiled_logprob::lm_head_stats(hidden, weight, target, *, vocab_start, group_name,
+  ignore_index, temperature, chunk_size, with_entropy) -> (lse, target_logit, mean_logit)``:
+  per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``, its per-row
+  statistics and the target's logit; one all-gather of the ``[K, B, S]`` statistics of the
+  whole call over the TP group. ``mean_logit`` is ``E_softmax[z]`` (for the entropy
+  ``lse − E[z]``) when ``with_entropy``, else 0. All fp32 ``[B, S]``.
+* ``compiled_logprob::lm_head_stats_backward``: recomputes each tile, forms its gradient with
+  ``_math.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
+  (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
+  because every rank's part covers only its vocabulary slice of the replicated hidden states.
+
+Both stay opaque to the compiler (no decomposition), so their loops over chunks never unroll
+into the graph and no ``[B, S, V_local]`` tensor exists anywhere: temporaries are
+``O(B · chunk · V_local)`` fp32.
+
+Shape legend: ``B`` batch, ``S`` sequence, ``H`` hidden size, ``V_local`` this rank's
+vocabulary slice, ``R`` ranks of the vocab-parallel group, ``K`` statistics per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from compiled_logprob import _math
+from compiled_logprob._ops import _seq_blocks
+
+# Default chunk: positions such that one fp32 logits tile holds about this many elements
+# (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
+# while each chunk's matmul is still large enough to run at full speed.
+TILE_ELEMENTS = 1 << 24
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) -> list[slice]:
+    batch, seq_len, _ = hidden.shape
+    if chunk_size is None:
+        chunk_size = max(1, TILE_ELEMENTS // max(1, batch * weight.shape[0]))
+    return _seq_blocks(seq_len, chunk_size)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 ``[B, c, V_local]`` tile ``hidden @ weight.T / temperature``.
+
+    The matmul runs in the inputs' dtype (as the logits path computes its logits), the
+    scaling and everything after it in fp32.
+    """
+    tile = (hidden @ weight.T).float()
+    return tile if temperature == 1.0 else tile.div_(temperature)
+
+
+def _local_mean_logit(logits: torch.Tensor, local_lse: torch.Tensor) -> torch.Tensor:
+    """``Σ_v softmax_local(z)_v · z_v`` over this shard, fp32 ``[B, c]``."""
+    return torch.linalg.vecdot(torch.exp(logits - local_lse.unsqueeze(-1)), logits)
+
+
+def _all_gather(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    """``[K, B, S]`` of every rank as ``[R, K, B, S]``."""
+    if group_name is None:
+        return stats.unsqueeze(0)
+    gathered = funcol.all_gather_single(stats, 0, group_name)
+    return gathered.unflatten(0, (-1, stats.shape[0]))
+
+
+@torch.library.custom_op("compiled_logprob::lm_head_stats", mutates_args=())
+def lm_head_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    group_name: str | None,
+    ignore_index: int | None,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    stats = []
+    for rows in _chunks(hidden, weight, chunk_size):
+        logits = _logits(hidden[:, rows], weight, temperature)
+        chunk_stats = _math.local_stats(logits, target[:, rows], vocab_start)
+        if with_entropy:
+            mean_logit = _local_mean_logit(logits, chunk_stats[0])
+            chunk_stats = torch.cat([chunk_stats, mean_logit.unsqueeze(0)])
+        stats.append(chunk_stats)
+    gathered = _all_gather(torch.cat(stats, dim=-1), group_name)
+    lse, target_logit = _math.combine_stats(gathered[:, :3], target, ignore_index)
+    if not with_entropy:
+        return lse, target_logit, torch.zeros_like(lse)
+    # E[z] over the full vocabulary: the shards' means weighted by their softmax mass.
+    mean_logit = (torch.exp(gathered[:, 0] - lse) * gathered[:, 3]).sum(0)
+    return lse, target_logit, mean_logit
+
+
+@lm_head_stats.register_fake
+def _(hidden, weight, target, **options):
+    row = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
+    return row, torch.empty_like(row), torch.empty_like(row)
+
+
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b``; in place when the dtypes allow (CPU has no mixed-dtype addmm)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
+
+
+@torch.library.custom_op("compiled_logprob::lm_head_stats_backward", mutates_args=())
+def lm_head_stats_backward(
+    grad_lse: torch.Tensor,
+    grad_target_logit: torch.Tensor,
+    grad_mean_logit: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    mean_logit: torch.Tensor,
+    *,
+    vocab_start: int,
+    group_name: str | None,
+    ignore_index: int | None,
+    temperature: float,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # d/dz_v of (lse, target_logit, E[z]) is (p_v, onehot_v, p_v·(1 + z_v − E[z])): fold the
+    # p_v part of the last into g_lse and add g_E·p·z separately. The tile is z·T, so every
+    # row gradient carries a 1/T.
+    grad_lse = grad_lse / temperature
+    grad_target_logit = grad_target_logit / temperature
+    if grad_mean_logit is not None:
+        grad_mean_logit = grad_mean_logit / temperature
+        grad_lse = grad_lse + grad_mean_logit * (1.0 - mean_logit)
+    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    grad_weight = torch.zeros_like(
+        weight, dtype=torch.float32, memory_format=torch.contiguous_format
+    )
+    for rows in _chunks(hidden, weight, chunk_size):
+        logits = _logits(hidden[:, rows], weight, temperature)
+        grad = _math.grad_logits(
+            grad_lse[:, rows],
+            grad_target_logit[:, rows],
+            logits,
+            target[:, rows],
+            lse[:, rows],
+            vocab_start,
+            ignore_index,
+        )
+        if grad_mean_logit is not None:
+            probs = torch.exp(logits - lse[:, rows].unsqueeze(-1))
+            grad += grad_mean_logit[:, rows].unsqueeze(-1) * probs * logits
+        grad = grad.to(hidden.dtype)
+        grad_hidden[:, rows] = grad @ weight
+        _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1))
+    if group_name is not None:
+        grad_hidden = funcol.wait_tensor(funcol.all_reduce(grad_hidden, "sum", group_name))
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
+@lm_head_stats_backward.register_fake
+def _(grad_lse, grad_target_logit, grad_mean_logit, hidden, weight, target, lse, mean_logit, **options):
+    return (
+        torch.empty_like(hidden, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    hidden, weight, target = inputs
+    lse, _, mean_logit = output
+    ctx.save_for_backward(hidden, weight, target, lse, mean_logit)
+    ctx.options = {
+        name: keyword_only_inputs[name]
+        for name in ("vocab_start", "group_name", "ignore_index", "temperature", "chunk_size")
+    }
+    ctx.with_entropy = keyword_only_inputs["with_entropy"]
+
+
+def _backward(ctx, grad_lse, grad_target_logit, grad_mean_logit):
+    hidden, weight, target, lse, mean_logit = ctx.saved_tensors
+    grad_hidden, grad_weight = lm_head_stats_backward(
+        grad_lse,
+        grad_target_logit,
+        grad_mean_logit if ctx.with_entropy else None,
+        hidden,
+        weight,
+        target,
+        lse,
+        mean_logit,
+        **ctx.options,
+    )
+    return grad_hidden, grad_weight, None
+
+
+lm_head_stats.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,129 @@
+"""Token log-probs (and entropy) straight from hidden states: the logits never exist.
+
+At 150k–250k vocabularies the ``[B, S, V]`` logits and their gradient dominate memory.
+:func:`lm_head_token_logprobs` takes the hidden states and this rank's slice of the LM-head
+weight instead, and walks the sequence in chunks: per chunk it computes the logits tile,
+reduces it to per-row statistics and drops it; backward recomputes each tile and
+accumulates the gradients of the hidden states and the weight. No ``[B, S, V_local]``
+tensor exists in forward or backward; temporaries are ``O(B · chunk · V_local)``.
+
+Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden size,
+``V`` the full vocabulary, ``V_local`` this rank's vocabulary slice
+``[vocab_start, vocab_start + V_local)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from compiled_logprob import _lm_head_ops
+from compiled_logprob.core import _group_name
+
+__all__ = ["lm_head_token_logprobs"]
+
+
+def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> None:
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not hidden.is_floating_point() or hidden.dim() < 2:
+        raise TypeError(
+            f"hidden must be a floating-point [..., S, H] tensor, got dtype {hidden.dtype} "
+            f"and shape {tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be this rank's LM-head slice [V_local, H] with H = {hidden.shape[-1]} "
+            f"(hidden {tuple(hidden.shape)}), got shape {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, "
+            f"{hidden.device}) must share dtype and device; cast one to the other"
+        )
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold integer token ids, got dtype {target.dtype}; pass target.long()"
+        )
+    if target.shape != hidden.shape[:-1] or target.device != hidden.device:
+        raise ValueError(
+            f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
+            f"leading shape {tuple(hidden.shape[:-1])} and device {hidden.device}"
+        )
+    if not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def lm_head_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    ignore_index: int | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token, computed from the hidden states and LM-head weight.
+
+    Eager equivalent: ``token_logprobs(hidden @ weight.T / temperature, target, ...)``, i.e.
+    ``log_softmax((hidden @ full_weight.T).float() / temperature, -1).gather(-1, target[..., None])[..., 0]``
+    where ``full_weight`` is the concatenation of every rank's slice along the vocabulary —
+    without ever materialising the logits.
+
+    Args:
+        hidden: ``[..., S, H]``, any floating dtype, the same on every rank of ``group``
+            (the replicated input of the vocab-parallel LM head).
+        weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
+            ``hidden``'s dtype. The matmul runs in that dtype; all later math in fp32.
+        target: ``[..., S]`` global token ids (integer dtype).
+        vocab_start: first global vocabulary id of this rank's slice.
+        group: the vocab-parallel (tensor-parallel) group; ``None`` or a group of size 1 means
+            the vocabulary is not sharded.
+        chunk_size: positions per chunk; temporaries are ``O(B · chunk_size · V_local)``
+            fp32. Default: about ``2**24 / (B · V_local)`` positions (a 64 MiB tile).
+        ignore_index: targets equal to it get log-prob (and entropy) 0 and no gradient.
+        temperature: the logits are divided by it before the softmax.
+        return_entropy: also return the entropy of the full-vocabulary softmax per position.
+
+    Returns:
+        fp32 ``[..., S]`` log-probs, or ``(logprobs, entropy)`` with ``return_entropy``;
+        differentiable with respect to ``hidden`` and ``weight``. The backward pass
+        all-reduces the hidden states' gradient over ``group`` (each rank's part covers only
+        its vocabulary slice), so ``hidden`` must not pass through another such reduction.
+
+    A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
+    the device without a host sync (``torch._assert_async``).
+    """
+    _validate(hidden, weight, target, vocab_start, temperature, chunk_size)
+    lse, target_logit, mean_logit = _lm_head_ops.lm_head_stats(
+        hidden.reshape(-1, *hidden.shape[-2:]),
+        weight,
+        target.reshape(-1, target.shape[-1]),
+        vocab_start=vocab_start,
+        group_name=_group_name(group),
+        ignore_index=ignore_index,
+        temperature=float(temperature),
+        chunk_size=chunk_size,
+        with_entropy=return_entropy,
+    )
+    outputs = [(target_logit - lse).view(target.shape)]
+    if return_entropy:
+        outputs.append((lse - mean_logit).view(target.shape))
+    if ignore_index is not None:
+        outputs = [torch.where(target == ignore_index, 0.0, out) for out in outputs]
+    return tuple(outputs) if return_entropy else outputs[0]

@@ -1,0 +1,118 @@
+"""Peak memory and time of token log-probs from hidden states vs the logits path (CPU).
+
+* ``logits``: ``logits = hidden @ weight.T`` then ``compiled_logprob.token_logprobs`` (eager),
+  forward and backward — the ``[B, S, V]`` logits and their gradient exist;
+* ``lm_head``: ``compiled_logprob.lm_head.lm_head_token_logprobs`` (eager; its ops are opaque
+  to the compiler anyway), forward and backward — they do not.
+
+Both produce the gradients of the hidden states and the weight. Each configuration runs in a
+fresh subprocess: the peak resident memory of the first training step is measured over the
+resident memory just before it (``VmHWM`` reset through ``/proc/self/clear_refs``), then the
+step time is the median of ``--steps`` steps. Results go to ``perf/results/lm_head.md``.
+
+    python perf/bench_lm_head.py                   # V = 152064, [1, 8192, 256], fp32
+    python perf/bench_lm_head.py --hidden 512 --chunks 110 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lm_head.md")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _step(method: str, hidden, weight, target, chunk: int | None) -> None:
+    import compiled_logprob as cl
+    from compiled_logprob.lm_head import lm_head_token_logprobs
+
+    if method == "logits":
+        logprobs = cl.token_logprobs(hidden @ weight.T, target)
+    else:
+        logprobs = lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk)
+    logprobs.sum().backward()
+
+
+def measure(method: str, batch: int, seq: int, hidden_size: int, vocab: int, chunk: int | None, steps: int) -> dict:
+    """Runs in the subprocess: peak memory of the first step, median time of ``steps``."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, seq, hidden_size, generator=gen).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_()
+    target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    times = []
+    for step in range(steps):
+        hidden.grad = weight.grad = None
+        if step == 0:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # reset the peak RSS to the current RSS
+            baseline = _rss_kib("VmRSS")
+        start = time.perf_counter()
+        _step(method, hidden, weight, target, chunk)
+        times.append(time.perf_counter() - start)
+        if step == 0:
+            peak = _rss_kib("VmHWM") - baseline
+    return {"peak_mib": peak / 1024, "time_s": statistics.median(times)}
+
+
+def _run_fresh(config: dict) -> dict:
+    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); " \
+        f"from bench_lm_head import measure; print(json.dumps(measure(**{config!r})))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=152064)
+    parser.add_argument("--chunks", type=int, nargs="*", default=[0], help="lm_head chunk sizes (0: default)")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    shape = dict(batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, steps=args.steps)
+    rows = [("logits path", _run_fresh(dict(shape, method="logits", chunk=None)))]
+    for chunk in args.chunks:
+        result = _run_fresh(dict(shape, method="lm_head", chunk=chunk or None))
+        rows.append((f"lm_head chunk={chunk or 'default'}", result))
+    base = rows[0][1]
+    lines = [
+        "# Token log-probs from hidden states vs the logits path (CPU, fp32, forward + backward)",
+        "",
+        f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}], "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}. Peak: resident memory of the "
+        "first step over that before it (fresh process per row); time: median of "
+        f"{args.steps} steps, matmuls included.",
+        "",
+        "| method | peak MiB | × logits path | step s | × logits path |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in rows:
+        lines.append(
+            f"| {name} | {r['peak_mib']:.0f} | {r['peak_mib'] / base['peak_mib']:.3f} "
+            f"| {r['time_s']:.2f} | {r['time_s'] / base['time_s']:.2f} |"
+        )
+    report = "\n".join(lines) + "\n"
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as out:
+        out.write(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

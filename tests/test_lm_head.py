@@ -1,0 +1,247 @@
+"""``lm_head_token_logprobs``: log-probs and entropy from hidden states, against a float64 oracle.
+
+Every case builds the same hidden states, full LM-head weight and targets on every rank (one
+seed); each rank takes its ``vocab_bounds`` slice of the weight. The oracle is
+``log_softmax`` in float64 of the logits ``hidden @ weight.T`` *as rounded by a matmul in the
+inputs' dtype* (what the op itself computes per tile), so the tolerances are fp32 math
+plus the rounding of the gradients' matmuls in the inputs' dtype (see ``_check``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from compiled_logprob import _lm_head_ops
+from compiled_logprob.lm_head import lm_head_token_logprobs
+from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logprobs, vocab_bounds
+from compiled_logprob.testing.sync_check import no_host_syncs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+IGNORE = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lead: tuple[int, ...] = (2,)
+    seq: int = 13
+    hidden: int = 24
+    vocab: int = 1003
+    dtype: str = "fp32"
+    chunk: int | None = 5
+    ignore: bool = False  # ~30% of the targets are IGNORE
+    temperature: float = 1.0
+    entropy: bool = True
+    seed: int = 0
+
+
+def _inputs(case: Case):
+    """hidden ``[*lead, S, H]``, full weight ``[V, H]`` (logits ~ N(0, 4)), targets and
+    float64 upstream gradients for the log-probs and the entropy."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = DTYPES[case.dtype]
+    shape = (*case.lead, case.seq)
+    hidden = torch.randn(*shape, case.hidden, generator=gen).to(dtype)
+    weight = (torch.randn(case.vocab, case.hidden, generator=gen) * 2 / case.hidden**0.5).to(dtype)
+    target = torch.randint(0, case.vocab, shape, generator=gen)
+    if case.ignore:
+        target = torch.where(torch.rand(shape, generator=gen) < 0.3, IGNORE, target)
+    up = torch.randn(2, *shape, generator=gen, dtype=torch.float64)
+    return hidden, weight, target, up[0], up[1]
+
+
+def _run(case: Case, rank: int, world: int, group, api=lm_head_token_logprobs) -> dict[str, torch.Tensor]:
+    """This rank's log-probs, entropy and gradients of ``Σ lp·up + Σ entropy·up'``."""
+    hidden, weight, target, up_lp, up_ent = _inputs(case)
+    lo, hi = vocab_bounds(case.vocab, world, rank)
+    hidden = hidden.requires_grad_()
+    weight = weight[lo:hi].clone().requires_grad_()
+    out = api(
+        hidden,
+        weight,
+        target,
+        vocab_start=lo,
+        group=group,
+        chunk_size=case.chunk,
+        ignore_index=IGNORE if case.ignore else None,
+        temperature=case.temperature,
+        return_entropy=case.entropy,
+    )
+    lp, ent = out if case.entropy else (out, torch.zeros_like(out))
+    ((lp.double() * up_lp).sum() + (ent.double() * up_ent).sum()).backward()
+    return {"lp": lp.detach(), "ent": ent.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
+
+
+def _worker_run(case: Case) -> dict[str, torch.Tensor]:
+    with no_host_syncs():
+        return _run(case, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+
+
+def _oracle(case: Case) -> dict[str, torch.Tensor]:
+    """float64 outputs and gradients, plus the magnitudes the tolerances scale with."""
+    hidden, weight, target, up_lp, up_ent = _inputs(case)
+    logits = (hidden @ weight.T).double().requires_grad_()
+    z = logits / case.temperature
+    ignored = target == IGNORE
+    lp = oracle_logprobs(z, target, IGNORE if case.ignore else None)
+    log_p = oracle_log_softmax(z)
+    ent = torch.where(ignored, 0.0, -(log_p.exp() * log_p).sum(-1)) if case.entropy else 0 * lp
+    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+    grad_z = logits.grad.reshape(-1, case.vocab)
+    h64, w64 = hidden.double().reshape(-1, case.hidden), weight.double()
+    return {
+        "lp": lp,
+        "ent": ent,
+        "grad_h": (grad_z @ w64).view(hidden.shape),
+        "grad_w": grad_z.T @ h64,
+        "bound_h": (grad_z.abs() @ w64.abs()).view(hidden.shape),
+        "bound_w": grad_z.abs().T @ h64.abs(),
+        "zmax": z.abs().max().item(),
+    }
+
+
+def _check(case: Case, got: dict[str, torch.Tensor], want: dict, rank: int, world: int) -> None:
+    """Forward: fp32 math (error ∝ the logits' magnitude) plus one rounding of each logit in
+    the inputs' dtype (a matmul may block differently per tile). Gradients: fp32 math plus
+    the rounding of the logits' gradient and of each chunk's matmul product in the inputs'
+    dtype, each ≤ u·Σ|grad_z|·|operand| (``bound_*``)."""
+    u = torch.finfo(DTYPES[case.dtype]).eps / 2
+    fp32_math = 1e-5 * (1 + want["zmax"])
+    atol = fp32_math + 2 * u * want["zmax"]
+    for name in ("lp", "ent"):
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name].double(), want[name], rtol=0, atol=atol, msg=name)
+    lo, hi = vocab_bounds(case.vocab, world, rank)
+    for name, want_grad, bound in (
+        ("grad_h", want["grad_h"], want["bound_h"]),
+        ("grad_w", want["grad_w"][lo:hi], want["bound_w"][lo:hi]),
+    ):
+        got_grad = got[name]
+        assert got_grad.dtype == DTYPES[case.dtype], name
+        err = (got_grad.double() - want_grad).abs()
+        tol = (4 * u + fp32_math) * bound + 1e-6
+        assert (err <= tol).all(), f"{name}: max error {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
+
+
+CASES = [
+    Case(),
+    Case(dtype="bf16"),
+    Case(ignore=True, temperature=0.7),
+    Case(dtype="bf16", ignore=True, temperature=1.3, chunk=None),
+    Case(lead=(1,), seq=7, chunk=3, entropy=False),
+    Case(lead=(2, 3), seq=6, vocab=517, hidden=8, chunk=4),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_single_process_matches_oracle(case):
+    with no_host_syncs():
+        got = _run(case, 0, 1, None)
+    _check(case, got, _oracle(case), 0, 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", CASES[:4], ids=str)
+def test_tensor_parallel_matches_oracle(gloo_pool, world, case):
+    want = _oracle(case)
+    for rank, got in enumerate(gloo_pool(world).run(_worker_run, case)):
+        _check(case, got, want, rank, world)
+
+
+def _worker_compiled(case: Case, seqs: tuple[int, ...]) -> list[int]:
+    """Compiled (fullgraph) forward and backward equal eager for several sequence lengths;
+    returns the number of graphs compiled."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lm_head_token_logprobs, fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for seq in seqs:
+        args = (dataclasses.replace(case, seq=seq), dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        want, got = _run(*args), _run(*args, api=compiled)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"{name} at S={seq}")
+    return counters["stats"]["unique_graphs"] - before
+
+
+def test_compiled_matches_eager_without_recompiles(gloo_pool):
+    case = Case(ignore=True, temperature=0.7)
+    graphs = gloo_pool(2).run(_worker_compiled, case, (13, 29, 40))
+    assert all(count <= 2 for count in graphs), graphs
+
+
+def test_target_out_of_range_raises():
+    hidden, weight, target, _, _ = _inputs(Case())
+    with pytest.raises(RuntimeError, match="not owned by exactly one"):
+        lm_head_token_logprobs(hidden, weight, torch.full_like(target, 1003))
+
+
+def _op_args(case: Case, requires_grad: bool):
+    hidden, weight, target, _, _ = _inputs(case)
+    if case.ignore:
+        target = torch.full_like(target, IGNORE)
+    hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
+    options = dict(vocab_start=0, ignore_index=IGNORE, temperature=0.7, chunk_size=case.chunk)
+    return hidden, weight, target, options
+
+
+def _opcheck_both(case: Case, group_name: str | None) -> None:
+    hidden, weight, target, options = _op_args(case, requires_grad=True)
+    options["group_name"] = group_name
+    torch.library.opcheck(
+        _lm_head_ops.lm_head_stats, (hidden, weight, target), dict(options, with_entropy=case.entropy)
+    )
+    lse, _, mean_logit = _lm_head_ops.lm_head_stats(
+        hidden.detach(), weight.detach(), target, **options, with_entropy=case.entropy
+    )
+    grads = torch.randn(3, *lse.shape)
+    grad_mean = grads[2] if case.entropy else None
+    args = (grads[0], grads[1], grad_mean, hidden.detach(), weight.detach(), target, lse, mean_logit)
+    torch.library.opcheck(_lm_head_ops.lm_head_stats_backward, args, options)
+
+
+@pytest.mark.parametrize("case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=str)
+def test_opcheck(case):
+    _opcheck_both(case, None)
+
+
+@pytest.fixture
+def fake_group():
+    """A two-rank fake process group in this process: collectives trace and run, values
+    are meaningless (enough for opcheck)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_opcheck_with_group(fake_group):
+    # The fake all-gather's values are meaningless: ignore every target so that the
+    # ownership assertion does not depend on them.
+    _opcheck_both(Case(seq=6, chunk=4, ignore=True), fake_group.group_name)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(hidden=torch.ones(2, 3, 4, dtype=torch.long)), TypeError, "floating-point"),
+        (dict(weight=torch.ones(5, 3)), ValueError, r"\[V_local, H\] with H = 4"),
+        (dict(weight=torch.ones(5, 4, dtype=torch.float64)), TypeError, "share dtype"),
+        (dict(target=torch.ones(2, 3)), TypeError, "integer token ids"),
+        (dict(target=torch.ones(2, 4, dtype=torch.long)), ValueError, "leading shape"),
+        (dict(vocab_start=-1), ValueError, "vocab_start"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+    ],
+)
+def test_bad_input(change, error, match):
+    args = dict(hidden=torch.ones(2, 3, 4), weight=torch.ones(5, 4), target=torch.ones(2, 3, dtype=torch.long))
+    args.update(change)
+    hidden, weight, target = args.pop("hidden"), args.pop("weight"), args.pop("target")
+    with pytest.raises(error, match=match):
+        lm_head_token_logprobs(hidden, weight, target, **args)
