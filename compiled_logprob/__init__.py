@@ -1,23 +1,53 @@
 """Compile-native vocab-parallel token log-probs for RL post-training.
 
-The functional API (``token_logprobs`` and friends) is the core; the NeMo-RL names
-(``DistributedLogprob`` …) are drop-in wrappers over it.
+The functional API (``token_logprobs``, the context-parallel and DTensor entry points,
+``lm_head_token_logprobs``) is the core; the NeMo-RL names (``DistributedLogprob`` …) are
+drop-in wrappers over it.
 """
 
+from compiled_logprob.context_parallel import (
+    context_parallel_logprobs,
+    gather_context_parallel,
+    packed_context_parallel_logprobs,
+    shard_for_context_parallel,
+)
 from compiled_logprob.core import token_logprobs, vocab_parallel_log_softmax, vocab_parallel_logsumexp
+from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
+from compiled_logprob.lm_head import lm_head_token_logprobs
 from compiled_logprob.nemo_compat import (
+    AllGatherCPTensor,
     ChunkedDistributedLogprob,
     DistributedLogprob,
     _compute_distributed_log_softmax,
+    _get_tokens_on_this_cp_rank,
+    allgather_cp_sharded_tensor,
+    dtensor_from_parallel_logits_to_logprobs,
+    from_parallel_logits_to_logprobs,
+    from_parallel_logits_to_logprobs_packed_sequences,
+    get_logprobs_from_vocab_parallel_logits,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGatherCPTensor",
     "ChunkedDistributedLogprob",
     "DistributedLogprob",
     "_compute_distributed_log_softmax",
+    "_get_tokens_on_this_cp_rank",
+    "allgather_cp_sharded_tensor",
+    "context_parallel_logprobs",
+    "dtensor_from_parallel_logits_to_logprobs",
+    "dtensor_logprobs",
+    "from_parallel_logits_to_logprobs",
+    "from_parallel_logits_to_logprobs_packed_sequences",
+    "gather_context_parallel",
+    "get_logprobs_from_vocab_parallel_logits",
+    "lm_head_token_logprobs",
+    "packed_context_parallel_logprobs",
+    "shard_for_context_parallel",
     "token_logprobs",
     "vocab_parallel_log_softmax",
     "vocab_parallel_logsumexp",
+    "vocab_shard_bounds",
 ]
