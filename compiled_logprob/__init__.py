@@ -11,7 +11,13 @@ from compiled_logprob.context_parallel import (
     packed_context_parallel_logprobs,
     shard_for_context_parallel,
 )
-from compiled_logprob.core import token_logprobs, vocab_parallel_log_softmax, vocab_parallel_logsumexp
+from compiled_logprob.core import (
+    token_logprobs,
+    vocab_parallel_entropy,
+    vocab_parallel_log_softmax,
+    vocab_parallel_logsumexp,
+    vocab_parallel_topk,
+)
 from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
 from compiled_logprob.lm_head import lm_head_token_logprobs
 from compiled_logprob.nemo_compat import (
@@ -47,7 +53,9 @@ __all__ = [
     "packed_context_parallel_logprobs",
     "shard_for_context_parallel",
     "token_logprobs",
+    "vocab_parallel_entropy",
     "vocab_parallel_log_softmax",
     "vocab_parallel_logsumexp",
+    "vocab_parallel_topk",
     "vocab_shard_bounds",
 ]

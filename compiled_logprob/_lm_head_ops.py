@@ -40,27 +40,24 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) 
     return _seq_blocks(seq_len, chunk_size)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 ``[B, c, V_local]`` tile ``hidden @ weight.T / temperature``.
-
-    The matmul runs in the inputs' dtype (as the logits path computes its logits), the
-    scaling and everything after it in fp32.
-    """
-    tile = (hidden @ weight.T).float()
-    return tile if temperature == 1.0 else tile.div_(temperature)
-
-
-def _local_mean_logit(logits: torch.Tensor, local_lse: torch.Tensor) -> torch.Tensor:
-    """``Σ_v softmax_local(z)_v · z_v`` over this shard, fp32 ``[B, c]``."""
-    return torch.linalg.vecdot(torch.exp(logits - local_lse.unsqueeze(-1)), logits)
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[B, c, V_local]`` tile ``hidden @ weight.T`` in the inputs' dtype, as the logits path
+    computes its logits; the temperature and everything after it run in fp32 in ``_math``."""
+    return hidden @ weight.T
 
 
 def _all_gather(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
-    """``[K, B, S]`` of every rank as ``[R, K, B, S]``."""
+    """``[F, B, S]`` of every rank as ``[R, F, B, S]``."""
     if group_name is None:
         return stats.unsqueeze(0)
     gathered = funcol.all_gather_single(stats, 0, group_name)
     return gathered.unflatten(0, (-1, stats.shape[0]))
+
+
+def _temperature(hidden: torch.Tensor, temperature: float) -> torch.Tensor | None:
+    if temperature == 1.0:
+        return None
+    return torch.full((), temperature, device=hidden.device).expand(hidden.shape[:-1])
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats", mutates_args=())
@@ -76,21 +73,23 @@ def lm_head_stats(
     chunk_size: int | None,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    stats = []
-    for rows in _chunks(hidden, weight, chunk_size):
-        logits = _logits(hidden[:, rows], weight, temperature)
-        chunk_stats = _math.local_stats(logits, target[:, rows], vocab_start)
-        if with_entropy:
-            mean_logit = _local_mean_logit(logits, chunk_stats[0])
-            chunk_stats = torch.cat([chunk_stats, mean_logit.unsqueeze(0)])
-        stats.append(chunk_stats)
+    scale = _temperature(hidden, temperature)
+    targets = target.unsqueeze(-1)
+    stats = [
+        _math.local_stats(
+            _logits(hidden[:, rows], weight),
+            targets[:, rows],
+            vocab_start,
+            temperature=None if scale is None else scale[:, rows],
+            with_entropy=with_entropy,
+        )
+        for rows in _chunks(hidden, weight, chunk_size)
+    ]
     gathered = _all_gather(torch.cat(stats, dim=-1), group_name)
-    lse, target_logit = _math.combine_stats(gathered[:, :3], target, ignore_index)
-    if not with_entropy:
-        return lse, target_logit, torch.zeros_like(lse)
-    # E[z] over the full vocabulary: the shards' means weighted by their softmax mass.
-    mean_logit = (torch.exp(gathered[:, 0] - lse) * gathered[:, 3]).sum(0)
-    return lse, target_logit, mean_logit
+    lse, target_logit, mean_logit = _math.combine_stats(
+        gathered, targets, ignore_index, with_entropy=with_entropy
+    )
+    return lse, target_logit.squeeze(-1), mean_logit
 
 
 @lm_head_stats.register_fake
@@ -124,33 +123,26 @@ def lm_head_stats_backward(
     temperature: float,
     chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # d/dz_v of (lse, target_logit, E[z]) is (p_v, onehot_v, p_v·(1 + z_v − E[z])): fold the
-    # p_v part of the last into g_lse and add g_E·p·z separately. The tile is z·T, so every
-    # row gradient carries a 1/T.
-    grad_lse = grad_lse / temperature
-    grad_target_logit = grad_target_logit / temperature
-    if grad_mean_logit is not None:
-        grad_mean_logit = grad_mean_logit / temperature
-        grad_lse = grad_lse + grad_mean_logit * (1.0 - mean_logit)
+    scale = _temperature(hidden, temperature)
+    targets = target.unsqueeze(-1)
+    grad_target_logit = grad_target_logit.unsqueeze(-1)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     grad_weight = torch.zeros_like(
         weight, dtype=torch.float32, memory_format=torch.contiguous_format
     )
     for rows in _chunks(hidden, weight, chunk_size):
-        logits = _logits(hidden[:, rows], weight, temperature)
         grad = _math.grad_logits(
             grad_lse[:, rows],
             grad_target_logit[:, rows],
-            logits,
-            target[:, rows],
+            _logits(hidden[:, rows], weight),
+            targets[:, rows],
             lse[:, rows],
             vocab_start,
             ignore_index,
+            temperature=None if scale is None else scale[:, rows],
+            grad_mean_logit=None if grad_mean_logit is None else grad_mean_logit[:, rows],
+            mean_logit=mean_logit[:, rows],
         )
-        if grad_mean_logit is not None:
-            probs = torch.exp(logits - lse[:, rows].unsqueeze(-1))
-            grad += grad_mean_logit[:, rows].unsqueeze(-1) * probs * logits
-        grad = grad.to(hidden.dtype)
         grad_hidden[:, rows] = grad @ weight
         _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1))
     if group_name is not None:

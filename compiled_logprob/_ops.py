@@ -1,18 +1,21 @@
 """Op registrations: schemas, fake kernels, autograd and Inductor decompositions.
 
-Two custom ops carry all the vocab-parallel math:
+Custom ops carry all the vocab-parallel math, with ``z = logits / temperature``:
 
-* ``compiled_logprob::vocab_parallel_stats(logits, target, *, vocab_start, group_name,
-  chunk_size, ignore_index) -> (lse, target_logit)``: the full-vocabulary logsumexp and the
-  target's logit per row, fp32 ``[B, S]``. One all-gather of ``[K, B, S]`` statistics per
-  call (per chunk when ``chunk_size`` is set) is the only communication.
-* ``compiled_logprob::vocab_parallel_stats_backward``: ``g_lse · softmax + g_target · onehot``
+* ``compiled_logprob::vocab_parallel_stats(logits, target, temperature, *, vocab_start,
+  group_name, ignore_index, with_entropy) -> (lse, target_logit, mean_logit)``: the
+  full-vocabulary logsumexp ``[B, S]``, the targets' logits ``[B, S, K]`` and, with entropy,
+  ``E_softmax[z]`` ``[B, S]``; all fp32. One all-gather of ``[F, B, S]`` statistics per call
+  is the only communication.
+* ``compiled_logprob::vocab_parallel_stats_chunked``: the same with one all-gather per
+  sequence chunk of ``chunk_size`` positions.
+* ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of all three outputs,
   written straight into one gradient buffer of the logits' dtype. No collective.
 
 Eager kernels walk the sequence in blocks so that no temporary outgrows a block. Under
-Inductor both ops decompose into the loop-free math of ``_math`` so that each becomes one
-fused pass over the logits; the chunked forward stays opaque, so its Python loop over
-chunks is never unrolled into the graph.
+Inductor the unchunked forward and the backward decompose into the loop-free math of
+``_math``, each becoming one fused pass over the logits; the chunked forward stays opaque,
+so its Python loop over chunks is never unrolled into the graph.
 """
 
 from __future__ import annotations
@@ -42,66 +45,87 @@ def _seq_blocks(seq_len: int, block: int) -> list[slice]:
     return [slice(s, s + block) for s in range(0, max(seq_len, 1), block)]
 
 
-def _rows(target: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if target is None else target[:, rows]
+def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if tensor is None else tensor[:, rows]
 
 
-def _gather_and_combine(
-    stats: torch.Tensor,
-    target: torch.Tensor | None,
-    group_name: str | None,
-    ignore_index: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_and_combine(stats, target, group_name, ignore_index, with_entropy):
     if group_name is None:
         gathered = stats.unsqueeze(0)
     else:
         gathered = funcol.all_gather_single(stats, 0, group_name)
         gathered = gathered.unflatten(0, (-1, stats.shape[0]))
-    return _math.combine_stats(gathered, target, ignore_index)
+    return _math.combine_stats(gathered, target, ignore_index, with_entropy=with_entropy)
 
 
-def _stats_whole(logits, target, vocab_start, group_name, ignore_index):
-    stats = _math.local_stats(logits, target, vocab_start)
-    return _gather_and_combine(stats, target, group_name, ignore_index)
+def _local_stats(logits, target, temperature, rows, vocab_start, with_entropy):
+    return _math.local_stats(
+        logits[:, rows],
+        _rows(target, rows),
+        vocab_start,
+        temperature=_rows(temperature, rows),
+        with_entropy=with_entropy,
+    )
+
+
+def _stats_whole(logits, target, temperature, vocab_start, group_name, ignore_index, with_entropy):
+    stats = _local_stats(logits, target, temperature, slice(None), vocab_start, with_entropy)
+    return _gather_and_combine(stats, target, group_name, ignore_index, with_entropy)
 
 
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats", mutates_args=())
 def vocab_parallel_stats(
     logits: torch.Tensor,
     target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
     *,
     vocab_start: int,
     group_name: str | None,
     ignore_index: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, seq_len, vocab = logits.shape
-    blocks = _seq_blocks(seq_len, _block_len(batch, seq_len, vocab))
-    stats = [_math.local_stats(logits[:, rows], _rows(target, rows), vocab_start) for rows in blocks]
-    return _gather_and_combine(torch.cat(stats, dim=-1), target, group_name, ignore_index)
+    stats = [
+        _local_stats(logits, target, temperature, rows, vocab_start, with_entropy)
+        for rows in _seq_blocks(seq_len, _block_len(batch, seq_len, vocab))
+    ]
+    return _gather_and_combine(
+        torch.cat(stats, dim=-1), target, group_name, ignore_index, with_entropy
+    )
 
 
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats_chunked", mutates_args=())
 def vocab_parallel_stats_chunked(
     logits: torch.Tensor,
     target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
     *,
     vocab_start: int,
     group_name: str | None,
     ignore_index: int | None,
+    with_entropy: bool,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # One collective per chunk keeps every temporary O(B * chunk_size * V_local).
     per_chunk = [
-        _stats_whole(logits[:, rows], _rows(target, rows), vocab_start, group_name, ignore_index)
+        _stats_whole(
+            logits[:, rows],
+            _rows(target, rows),
+            _rows(temperature, rows),
+            vocab_start,
+            group_name,
+            ignore_index,
+            with_entropy,
+        )
         for rows in _seq_blocks(logits.shape[1], chunk_size)
     ]
-    lse, target_logit = zip(*per_chunk)
-    return torch.cat(lse, dim=1), torch.cat(target_logit, dim=1)
+    return tuple(torch.cat(pieces, dim=1) for pieces in zip(*per_chunk))
 
 
-def _fake_stats(logits, target, **options):
+def _fake_stats(logits, target, temperature, **options):
     row = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
-    return row, torch.empty_like(row)
+    k = 0 if target is None else target.shape[-1]
+    return row, logits.new_empty(*logits.shape[:-1], k, dtype=torch.float32), torch.empty_like(row)
 
 
 vocab_parallel_stats.register_fake(_fake_stats)
@@ -112,9 +136,12 @@ vocab_parallel_stats_chunked.register_fake(_fake_stats)
 def vocab_parallel_stats_backward(
     grad_lse: torch.Tensor,
     grad_target_logit: torch.Tensor,
+    grad_mean_logit: torch.Tensor | None,
     logits: torch.Tensor,
     target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
     lse: torch.Tensor,
+    mean_logit: torch.Tensor,
     *,
     vocab_start: int,
     ignore_index: int | None,
@@ -130,34 +157,42 @@ def vocab_parallel_stats_backward(
             lse[:, rows],
             vocab_start,
             ignore_index,
+            temperature=_rows(temperature, rows),
+            grad_mean_logit=_rows(grad_mean_logit, rows),
+            mean_logit=mean_logit[:, rows],
         )
     return grad
 
 
 @vocab_parallel_stats_backward.register_fake
-def _(grad_lse, grad_target_logit, logits, target, lse, *, vocab_start, ignore_index):
+def _(grad_lse, grad_target_logit, grad_mean_logit, logits, *rest, **options):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    logits, target = inputs
-    ctx.save_for_backward(logits, target, output[0])
+    logits, target, temperature = inputs
+    lse, _, mean_logit = output
+    ctx.save_for_backward(logits, target, temperature, lse, mean_logit)
     ctx.vocab_start = keyword_only_inputs["vocab_start"]
     ctx.ignore_index = keyword_only_inputs["ignore_index"]
+    ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, grad_lse, grad_target_logit):
-    logits, target, lse = ctx.saved_tensors
+def _backward(ctx, grad_lse, grad_target_logit, grad_mean_logit):
+    logits, target, temperature, lse, mean_logit = ctx.saved_tensors
     grad = vocab_parallel_stats_backward(
         grad_lse,
         grad_target_logit,
+        grad_mean_logit if ctx.with_entropy else None,
         logits,
         target,
+        temperature,
         lse,
+        mean_logit,
         vocab_start=ctx.vocab_start,
         ignore_index=ctx.ignore_index,
     )
-    return grad, None
+    return grad, None, None
 
 
 vocab_parallel_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -165,14 +200,35 @@ vocab_parallel_stats_chunked.register_autograd(_backward, setup_context=_setup_c
 
 
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats.default)
-def _decompose_stats(logits, target, *, vocab_start, group_name, ignore_index):
-    return _stats_whole(logits, target, vocab_start, group_name, ignore_index)
+def _decompose_stats(logits, target, temperature, *, vocab_start, group_name, ignore_index, with_entropy):
+    return _stats_whole(
+        logits, target, temperature, vocab_start, group_name, ignore_index, with_entropy
+    )
 
 
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats_backward.default)
 def _decompose_backward(
-    grad_lse, grad_target_logit, logits, target, lse, *, vocab_start, ignore_index
+    grad_lse,
+    grad_target_logit,
+    grad_mean_logit,
+    logits,
+    target,
+    temperature,
+    lse,
+    mean_logit,
+    *,
+    vocab_start,
+    ignore_index,
 ):
     return _math.grad_logits(
-        grad_lse, grad_target_logit, logits, target, lse, vocab_start, ignore_index
+        grad_lse,
+        grad_target_logit,
+        logits,
+        target,
+        lse,
+        vocab_start,
+        ignore_index,
+        temperature=temperature,
+        grad_mean_logit=grad_mean_logit,
+        mean_logit=mean_logit,
     )

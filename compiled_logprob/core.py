@@ -20,7 +20,13 @@ import torch.distributed._functional_collectives as funcol
 
 from compiled_logprob import _ops
 
-__all__ = ["token_logprobs", "vocab_parallel_log_softmax", "vocab_parallel_logsumexp"]
+__all__ = [
+    "token_logprobs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_log_softmax",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_topk",
+]
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str | None:
@@ -85,10 +91,14 @@ def _validate_target(
             f"target must hold int64 (or int32) token ids, got dtype {target.dtype}; "
             "pass target.long()"
         )
-    if target.shape != logits.shape[:-1]:
+    positions = logits.shape[:-1]
+    if target.shape != positions and not (
+        target.dim() == logits.dim() and target.shape[:-1] == positions
+    ):
         raise ValueError(
             f"target shape {tuple(target.shape)} must equal the logits' leading shape "
-            f"{tuple(logits.shape[:-1])} (logits {tuple(logits.shape)} are [..., S, V_local])"
+            f"{tuple(positions)} (logits {tuple(logits.shape)} are [..., S, V_local]), or be "
+            f"{tuple(positions)} + (K,) for K ids per position"
         )
     if target.device != logits.device:
         raise ValueError(
@@ -102,20 +112,73 @@ def _validate_target(
         raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
 
 
+def _temperature_rows(
+    temperature: float | torch.Tensor, rows_shape: torch.Size, device: torch.device
+) -> torch.Tensor | None:
+    """``None`` for 1, else fp32 ``[B, S]`` (a broadcast view, nothing copied)."""
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a float tensor, got dtype {temperature.dtype}")
+        if temperature.device != device:
+            raise ValueError(
+                f"temperature is on {temperature.device} but logits are on {device}; "
+                "move it to the logits' device"
+            )
+        try:
+            rows = temperature.float().expand(rows_shape)
+        except RuntimeError:
+            raise ValueError(
+                f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
+                f"positions {tuple(rows_shape)}: pass a float, or a tensor of shape [..., S] "
+                "or [..., 1] (one temperature per row)"
+            ) from None
+        torch._assert_async((rows > 0).all(), "temperature must be > 0 everywhere")
+    else:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float or a tensor, got {temperature!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if temperature == 1:
+            return None
+        rows = torch.full((), float(temperature), device=device).expand(rows_shape)
+    return _as_batch(rows, 1)
+
+
 def _stats(
     logits: torch.Tensor,
     target: torch.Tensor | None,
     *,
-    vocab_start: int,
     group: dist.ProcessGroup | None,
     chunk_size: int | None,
-    ignore_index: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (_as_batch(logits, 2), None if target is None else _as_batch(target, 1))
-    options = dict(vocab_start=vocab_start, group_name=_group_name(group), ignore_index=ignore_index)
+    temperature: float | torch.Tensor,
+    vocab_start: int = 0,
+    ignore_index: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse [..., S], target_logit [..., S, K], mean_logit [..., S])`` of ``target [..., S, K]``."""
+    rows_shape = logits.shape[:-1]
+    args = (
+        _as_batch(logits, 2),
+        None if target is None else _as_batch(target, 2),
+        _temperature_rows(temperature, rows_shape, logits.device),
+    )
+    options = dict(
+        vocab_start=vocab_start,
+        group_name=_group_name(group),
+        ignore_index=ignore_index,
+        with_entropy=with_entropy,
+    )
     if chunk_size is None:
-        return _ops.vocab_parallel_stats(*args, **options)
-    return _ops.vocab_parallel_stats_chunked(*args, **options, chunk_size=chunk_size)
+        lse, target_logit, mean_logit = _ops.vocab_parallel_stats(*args, **options)
+    else:
+        lse, target_logit, mean_logit = _ops.vocab_parallel_stats_chunked(
+            *args, **options, chunk_size=chunk_size
+        )
+    return (
+        lse.view(rows_shape),
+        target_logit.view(*rows_shape, target_logit.shape[-1]),
+        mean_logit.view(rows_shape),
+    )
 
 
 def token_logprobs(
@@ -126,42 +189,60 @@ def token_logprobs(
     group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     ignore_index: int | None = None,
-) -> torch.Tensor:
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token under the softmax over the full vocabulary.
 
-    Eager equivalent: ``torch.log_softmax(full_logits.float(), -1).gather(-1, target[..., None])[..., 0]``
+    Eager equivalent: ``torch.log_softmax(full_logits.float() / temperature, -1).gather(-1, target[..., None])[..., 0]``
     where ``full_logits`` is the concatenation of every rank's shard along the vocabulary.
 
     Args:
         logits: ``[..., S, V_local]``, any floating dtype; the math runs in fp32.
-        target: ``[..., S]`` global token ids (integer dtype).
+        target: ``[..., S]`` global token ids (integer dtype), or ``[..., S, K]`` for the
+            log-probs of ``K`` ids per position (distillation).
         vocab_start: first global vocabulary id of this rank's shard.
         group: the vocab-parallel (tensor-parallel) group; ``None`` or a group of size 1 means
             the vocabulary is not sharded.
         chunk_size: process the sequence in chunks of this many positions (one collective per
             chunk), so that no temporary exceeds ``O(B * chunk_size * V_local)`` even in eager.
         ignore_index: targets equal to it get log-prob 0 and no gradient.
+        temperature: the softmax is over ``logits / temperature``: a float, or a tensor that
+            broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row). The scaled logits are
+            never materialised.
+        return_entropy: also return the entropy of the full-vocabulary distribution at each
+            position, ``[..., S]``, from the same pass over the logits (differentiable).
 
     Returns:
-        fp32 ``[..., S]``, differentiable with respect to ``logits`` (gradient in their dtype).
+        fp32 log-probs of ``target``'s shape, differentiable with respect to ``logits``
+        (gradient in their dtype); with ``return_entropy``, ``(logprobs, entropy)``.
 
     A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
     the device without a host sync (``torch._assert_async``).
     """
     _validate_logits(logits, chunk_size)
     _validate_target(logits, target, vocab_start, ignore_index)
-    lse, target_logit = _stats(
+    per_position = target.dim() == logits.dim() - 1
+    lse, target_logit, mean_logit = _stats(
         logits,
-        target,
+        target.unsqueeze(-1) if per_position else target,
         vocab_start=vocab_start,
         group=group,
         chunk_size=chunk_size,
         ignore_index=ignore_index,
+        temperature=temperature,
+        with_entropy=return_entropy,
     )
-    logprobs = (target_logit - lse).view(target.shape)
-    if ignore_index is None:
+    logprobs = (target_logit - lse.unsqueeze(-1)).view(target.shape)
+    if ignore_index is not None:
+        logprobs = torch.where(target == ignore_index, 0.0, logprobs)
+    if not return_entropy:
         return logprobs
-    return torch.where(target == ignore_index, 0.0, logprobs)
+    entropy = lse - mean_logit
+    if ignore_index is not None:
+        ignored = target == ignore_index
+        entropy = torch.where(ignored if per_position else ignored.all(-1), 0.0, entropy)
+    return logprobs, entropy
 
 
 def vocab_parallel_logsumexp(
@@ -169,16 +250,81 @@ def vocab_parallel_logsumexp(
     *,
     group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Logsumexp over the full (sharded) vocabulary, fp32 ``[..., S]``, differentiable.
 
-    Eager equivalent: ``torch.logsumexp(full_logits.float(), -1)``.
+    Eager equivalent: ``torch.logsumexp(full_logits.float() / temperature, -1)``.
     """
     _validate_logits(logits, chunk_size)
-    lse, _ = _stats(
-        logits, None, vocab_start=0, group=group, chunk_size=chunk_size, ignore_index=None
+    lse, _, _ = _stats(logits, None, group=group, chunk_size=chunk_size, temperature=temperature)
+    return lse
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Entropy of the full-vocabulary distribution per position, fp32 ``[..., S]``, differentiable.
+
+    Eager equivalent: ``torch.distributions.Categorical(logits=full_logits.float() / temperature).entropy()``.
+    One all-gather of ``[2, ..., S]`` statistics; no collective in backward.
+    """
+    _validate_logits(logits, chunk_size)
+    lse, _, mean_logit = _stats(
+        logits, None, group=group, chunk_size=chunk_size, temperature=temperature, with_entropy=True
     )
-    return lse.view(logits.shape[:-1])
+    return lse - mean_logit
+
+
+def vocab_parallel_topk(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens over the full (sharded) vocabulary and their log-probs.
+
+    Eager equivalent: ``torch.log_softmax(full_logits.float() / temperature, -1).topk(k)``.
+
+    Returns ``(logprobs, ids)``, both ``[..., S, k]``: fp32 log-probs (differentiable with
+    respect to ``logits``) and int64 global vocabulary ids, sorted by decreasing probability.
+    Each rank proposes its local top ``k``; one all-gather of the ``[2, ..., S, k]``
+    candidates picks the global ones, and the log-probs come from the same statistics pass as
+    :func:`token_logprobs` (one more all-gather). Requires ``k <= V_local``.
+    """
+    _validate_logits(logits, chunk_size)
+    if not _is_int(k) or not 1 <= k <= logits.shape[-1]:
+        raise ValueError(
+            f"k must be an int in [1, V_local = {logits.shape[-1]}] (this rank's vocabulary "
+            f"slice), got {k!r}"
+        )
+    with torch.no_grad():
+        # A positive temperature rescales each row, so it does not change the ranking.
+        values, local_ids = logits.detach().topk(k, dim=-1)
+        candidates = torch.stack([values.float(), (local_ids + vocab_start).float()])
+        group_name = _group_name(group)
+        if group_name is not None:
+            # Ids travel as fp32 beside the values: exact below 2**24 vocabulary entries.
+            gathered = funcol.all_gather_single(candidates, 0, group_name)
+            candidates = gathered.unflatten(0, (-1, 2)).movedim(0, -2).flatten(-2)
+        best = candidates[0].topk(k, dim=-1).indices
+        ids = candidates[1].gather(-1, best).long()
+    logprobs = token_logprobs(
+        logits,
+        ids,
+        vocab_start=vocab_start,
+        group=group,
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )
+    return logprobs, ids
 
 
 def vocab_parallel_log_softmax(

@@ -73,6 +73,35 @@ def _log_softmax(logits, target, start, end, group):
     return cl.vocab_parallel_log_softmax(logits, group=group)
 
 
+def _token_logprobs_temperature_entropy(logits, target, start, end, group):
+    logprobs, entropy = cl.token_logprobs(
+        logits,
+        target,
+        vocab_start=start,
+        group=group,
+        ignore_index=IGNORE,
+        temperature=0.7,
+        return_entropy=True,
+    )
+    return torch.stack([logprobs, entropy])
+
+
+def _token_logprobs_k_ids(logits, target, start, end, group):
+    valid = target.clamp(min=0)
+    ids = torch.stack([valid, (valid * 7 + 3) % VOCAB], dim=-1)
+    return cl.token_logprobs(logits, ids, vocab_start=start, group=group)
+
+
+def _entropy_chunked_row_temperature(logits, target, start, end, group):
+    temperature = torch.linspace(0.5, 2.0, logits.shape[0]).unsqueeze(-1)
+    return cl.vocab_parallel_entropy(logits, group=group, chunk_size=CHUNK, temperature=temperature)
+
+
+def _topk(logits, target, start, end, group):
+    logprobs, _ = cl.vocab_parallel_topk(logits, 3, vocab_start=start, group=group)
+    return logprobs
+
+
 def _distributed_logprob(logits, target, start, end, group):
     return cl.DistributedLogprob.apply(logits, target, start, end, group)
 
@@ -94,12 +123,21 @@ ENTRY_POINTS = {
         _logsumexp,
         _logsumexp_chunked,
         _log_softmax,
+        _token_logprobs_temperature_entropy,
+        _token_logprobs_k_ids,
+        _entropy_chunked_row_temperature,
+        _topk,
         _distributed_logprob,
         _chunked_distributed_logprob,
         _compute_distributed_log_softmax,
     )
 }
-CHUNKED = {"token_logprobs_chunked_ignore", "logsumexp_chunked", "chunked_distributed_logprob"}
+CHUNKED = {
+    "token_logprobs_chunked_ignore",
+    "logsumexp_chunked",
+    "chunked_distributed_logprob",
+    "entropy_chunked_row_temperature",
+}
 # A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
 SHARDED_OUTPUT = {"log_softmax", "compute_distributed_log_softmax"}
 
@@ -130,11 +168,18 @@ def forward_backward(fn, logits: dict, target, start, end, group) -> dict:
     return {name: (out.detach(), logits[name].grad) for name, out in outputs.items()}
 
 
+# Compiled and eager sum in different orders, so they agree to a few fp32 ulps of the
+# largest intermediate. That is O(1) for everything but the entropy, whose gradient
+# p·(1 + z − E[z]) inherits E[z]'s rounding, a few ulps of |z| (up to ~3·4.5/0.7 ≈ 20 here).
+ATOL = {"token_logprobs_temperature_entropy": 8 * torch.finfo(torch.float32).eps * 20}
+
+
 def assert_results_close(actual: dict, expected: dict, label: str) -> None:
     for name, pair in expected.items():
+        atol = max(1e-5, ATOL.get(name, 0.0))
         for kind, got, wanted in zip(("forward", "backward"), actual[name], pair):
             torch.testing.assert_close(
-                got, wanted, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {name} {kind}: {m}"
+                got, wanted, rtol=1e-5, atol=atol, msg=lambda m: f"{label} {name} {kind}: {m}"
             )
 
 
@@ -334,33 +379,51 @@ def _op_inputs(seq_len: int = 5, vocab: int = 7) -> tuple[torch.Tensor, torch.Te
 def _stats_cases(**extra):
     """Cases ``(args, kwargs)`` for a forward stats op; ``"fake"`` marks the fake group."""
     logits, target = _op_inputs()
-    all_ignored = torch.full_like(target, IGNORE)  # the fake group duplicates rows: no owner
-    options = dict(vocab_start=0, group_name=None, ignore_index=None, **extra)
+    targets = target.unsqueeze(-1)
+    two_targets = torch.cat([targets, targets.clamp(min=0).flip(1)], dim=-1)
+    all_ignored = torch.full_like(targets, IGNORE)  # the fake group duplicates rows: no owner
+    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
+    options = dict(vocab_start=0, group_name=None, ignore_index=None, with_entropy=False, **extra)
+    entropy = {**options, "with_entropy": True}
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         leaf = logits.to(dtype).requires_grad_()
         cases += [
-            ((leaf, target), options),
-            ((leaf, None), options),
-            ((leaf, target), {**options, "ignore_index": IGNORE}),
-            ((leaf, all_ignored), {**options, "group_name": "fake", "ignore_index": IGNORE}),
-            ((leaf, None), {**options, "group_name": "fake"}),
+            ((leaf, targets, None), options),
+            ((leaf, None, None), options),
+            ((leaf, targets, None), {**options, "ignore_index": IGNORE}),
+            ((leaf, two_targets, temperature), {**entropy, "ignore_index": IGNORE}),
+            ((leaf, None, temperature), entropy),
+            ((leaf, all_ignored, None), {**entropy, "group_name": "fake", "ignore_index": IGNORE}),
+            ((leaf, None, None), {**options, "group_name": "fake"}),
         ]
     return cases
 
 
 def _backward_cases():
     logits, target = _op_inputs()
+    targets = target.unsqueeze(-1)
+    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
     lse = torch.logsumexp(logits, -1)
     gen = torch.Generator().manual_seed(1)
-    grad_lse, grad_target_logit = torch.randn(2, *lse.shape, generator=gen)
+    grad_lse, grad_target_logit, grad_mean_logit, mean_logit = torch.randn(
+        4, *lse.shape, generator=gen
+    )
+    grad_target_logit = grad_target_logit.unsqueeze(-1)
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
-        args = (grad_lse, grad_target_logit, logits.to(dtype), target, lse)
+        z = logits.to(dtype)
+
+        def args(target, grad_mean, temp):
+            k = 0 if target is None else 1
+            grads = (grad_lse, grad_target_logit[..., :k], grad_mean)
+            return (*grads, z, target, temp, lse, mean_logit)
+
         cases += [
-            (args, dict(vocab_start=0, ignore_index=None)),
-            (args, dict(vocab_start=2, ignore_index=IGNORE)),  # some targets off this shard
-            ((*args[:3], None, lse), dict(vocab_start=0, ignore_index=None)),
+            (args(targets, None, None), dict(vocab_start=0, ignore_index=None)),
+            (args(targets, None, None), dict(vocab_start=2, ignore_index=IGNORE)),  # some off-shard
+            (args(None, None, None), dict(vocab_start=0, ignore_index=None)),
+            (args(targets, grad_mean_logit, temperature), dict(vocab_start=0, ignore_index=IGNORE)),
         ]
     return cases
 
@@ -494,12 +557,14 @@ def tp_graph_ops(gloo_pool):
 
 
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
-def test_one_all_gather_forward_nothing_backward(tp_graph_ops, name):
+def test_collectives_per_call(tp_graph_ops, name):
     if name in CHUNKED:
         # Opaque by design: its collectives (one per chunk) run inside the op.
         expected_forward = {"compiled_logprob::vocab_parallel_stats_chunked": 1}
     else:
-        expected_forward = {"_c10d_functional::all_gather_into_tensor": 1}  # op decomposed away
+        # The op is decomposed away; top-k first gathers every rank's candidates.
+        all_gathers = 2 if name == "topk" else 1
+        expected_forward = {"_c10d_functional::all_gather_into_tensor": all_gathers}
     expected_backward = {"_c10d_functional::all_reduce": 1} if name in SHARDED_OUTPUT else {}
     assert tp_graph_ops[name] == {"forward": expected_forward, "backward": expected_backward}
 
