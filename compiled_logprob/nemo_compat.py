@@ -23,8 +23,11 @@ from compiled_logprob import context_parallel, core, dtensor
 __all__ = ["ChunkedDistributedLogprob", "DistributedLogprob", "_compute_distributed_log_softmax"]
 
 
-def _vocab_start(logits: torch.Tensor, vocab_start_index: int, vocab_end_index: int) -> int:
-    """Check NeMo's redundant shard bounds against the shard's width; return the start."""
+def _this_shard(
+    logits: torch.Tensor, vocab_start_index: int, vocab_end_index: int, inference_only: bool
+) -> tuple[torch.Tensor, int]:
+    """The logits (detached for ``inference_only``) and the shard's start, after checking
+    NeMo's redundant shard bounds against the shard's width."""
     width = logits.shape[-1]
     if vocab_end_index - vocab_start_index != width:
         raise ValueError(
@@ -32,7 +35,7 @@ def _vocab_start(logits: torch.Tensor, vocab_start_index: int, vocab_end_index: 
             f"{vocab_end_index - vocab_start_index}, but this rank's logits hold {width} vocabulary "
             f"entries (shape {tuple(logits.shape)}); pass this rank's own shard bounds"
         )
-    return vocab_start_index
+    return (logits.detach() if inference_only else logits), vocab_start_index
 
 
 class DistributedLogprob:
@@ -74,9 +77,9 @@ class ChunkedDistributedLogprob:
         inference_only: bool = False,
     ) -> torch.Tensor:
         """fp32 ``[B, S]`` log-probs; no temporary exceeds ``O(B * chunk_size * V_local)``."""
-        start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
-        if inference_only:
-            vocab_parallel_logits = vocab_parallel_logits.detach()
+        vocab_parallel_logits, start = _this_shard(
+            vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
+        )
         return core.token_logprobs(
             vocab_parallel_logits,
             target,
@@ -154,9 +157,9 @@ def from_parallel_logits_to_logprobs(
     """fp32 ``[B, S - 1]`` next-token log-probs of ``[B, S_pad / CP, V_local]`` load-balanced
     logits and the full unshifted ``target`` ``[B, S]``; see
     :func:`compiled_logprob.context_parallel_logprobs`."""
-    start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
-    if inference_only:
-        vocab_parallel_logits = vocab_parallel_logits.detach()
+    vocab_parallel_logits, start = _this_shard(
+        vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
+    )
     return context_parallel.context_parallel_logprobs(
         vocab_parallel_logits,
         target,
@@ -182,9 +185,9 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     """fp32 ``[B, unpacked_seqlen - 1]`` next-token log-probs of a packed ``[1, T / CP, V_local]``
     row (THD layout) and its unshifted ``target`` ``[1, T]``; see
     :func:`compiled_logprob.packed_context_parallel_logprobs`."""
-    start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
-    if inference_only:
-        vocab_parallel_logits = vocab_parallel_logits.detach()
+    vocab_parallel_logits, start = _this_shard(
+        vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
+    )
     return context_parallel.packed_context_parallel_logprobs(
         vocab_parallel_logits,
         target,
@@ -210,9 +213,9 @@ def dtensor_from_parallel_logits_to_logprobs(
     """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits; ``target``
     is a tensor, or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
     :func:`compiled_logprob.dtensor_logprobs`."""
-    start = _vocab_start(vocab_parallel_logits, vocab_start_index, vocab_end_index)
-    if inference_only:
-        vocab_parallel_logits = vocab_parallel_logits.detach()
+    vocab_parallel_logits, start = _this_shard(
+        vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
+    )
     return dtensor._local_logprobs(
         vocab_parallel_logits, target, start, tp_group, seq_index, chunk_size
     )
