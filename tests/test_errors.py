@@ -201,3 +201,21 @@ def test_out_of_vocab_target_raises_eager(fn):
 
 def test_out_of_vocab_target_raises_compiled(compiled_logprobs):
     _assert_out_of_vocab_raises(compiled_logprobs)
+
+
+def test_non_contiguous_inputs_are_accepted_and_exact():
+    """Strided logits and targets (a vocab-major buffer, a sliced sequence) need no error:
+    the ops read any strides. Only the summation order of a strided reduction differs, so
+    the results agree with contiguous copies to a few fp32 ulps."""
+    ulps = dict(rtol=4 * torch.finfo(torch.float32).eps, atol=4 * torch.finfo(torch.float32).eps)
+    vocab_major = LOGITS.transpose(-1, -2).contiguous().transpose(-1, -2)
+    strided = [(vocab_major, TARGET), (LOGITS[:, ::2], TARGET[:, ::2])]
+    for logits, target in strided:
+        assert not logits.is_contiguous()
+        logits = logits.detach().requires_grad_()
+        dense = logits.detach().contiguous().requires_grad_()
+        got, want = cl.token_logprobs(logits, target), cl.token_logprobs(dense, target.contiguous())
+        torch.testing.assert_close(got, want, **ulps)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(logits.grad, dense.grad, **ulps)
