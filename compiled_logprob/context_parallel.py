@@ -162,6 +162,35 @@ def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor)
         raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
 
 
+def _local_temperature(
+    temperature: float | torch.Tensor, out_shape: torch.Size, select
+) -> float | torch.Tensor:
+    """A float as it is; a tensor broadcast to the output's positions ``out_shape``, then
+    ``select``-ed down to this rank's logits positions."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature
+    try:
+        per_position = temperature.expand(out_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"temperature of shape {tuple(temperature.shape)} does not broadcast to the output "
+            f"positions {tuple(out_shape)}: pass a float, or a tensor of shape [..., 1] (one "
+            "per row) or of the output's shape (one per position, in natural order)"
+        ) from None
+    return select(per_position)
+
+
+def _local_logprobs(logits, target, *, return_entropy, **options) -> torch.Tensor:
+    """``core.token_logprobs`` of this rank's positions, ``[..., L]``; with ``return_entropy``
+    the log-probs and the entropy stacked as ``[2, ..., L]``, so one collective moves both."""
+    out = core.token_logprobs(logits, target, return_entropy=return_entropy, **options)
+    return torch.stack(out) if return_entropy else out
+
+
+def _split(result: torch.Tensor, return_entropy: bool):
+    return tuple(result.unbind(0)) if return_entropy else result
+
+
 def context_parallel_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -171,7 +200,10 @@ def context_parallel_logprobs(
     cp_group: dist.ProcessGroup | None = None,
     seq_index: torch.Tensor | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    ignore_index: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of TP×CP-sharded logits, fp32 ``[..., S - 1]`` in natural order.
 
     Eager equivalent: ``log_softmax(full.float(), -1)[..., :-1, :].gather(-1, ids[..., 1:, None])[..., 0]``
@@ -189,10 +221,17 @@ def context_parallel_logprobs(
         cp_group: the context-parallel group; ``None`` means no CP.
         seq_index: ``[C * L]`` natural position of each position of the CP-ordered sequence
             (``torch.distributed.tensor.experimental.context_parallel``'s layout).
-        chunk_size: as in :func:`compiled_logprob.token_logprobs`.
+        chunk_size, ignore_index: as in :func:`compiled_logprob.token_logprobs`; position
+            ``t`` is ignored where ``input_ids[..., t + 1] == ignore_index``.
+        temperature: a float, or a tensor that broadcasts to the output ``[..., S - 1]``
+            (natural order): position ``t``'s logits are divided by ``temperature[..., t]``.
+        return_entropy: also return the entropy ``[..., S - 1]`` of each position's
+            full-vocabulary distribution (0 where ignored), gathered with the log-probs.
 
-    One all-gather of ``[..., L]`` fp32 log-probs over CP forward, one reduce-scatter backward;
-    a rank's logits receive the sum over CP ranks of the upstream gradients at its positions.
+    One all-gather of ``[..., L]`` fp32 log-probs (``[2, ..., L]`` with the entropy) over CP
+    forward, one reduce-scatter backward; a rank's logits receive the sum over CP ranks of
+    the upstream gradients at its positions. With ``return_entropy``, returns
+    ``(logprobs, entropy)``.
     """
     _check_ids(logits, input_ids, chunk_size)
     size, rank = _size_rank(cp_group)
@@ -209,17 +248,27 @@ def context_parallel_logprobs(
     else:
         _check_seq_index(seq_index, padded_len, logits)
         positions = seq_index.view(size, local_len)
+    def this_rank(per_position: torch.Tensor, fill: int) -> torch.Tensor:
+        padded = F.pad(per_position, (0, padded_len - per_position.shape[-1]), value=fill)
+        return padded.index_select(-1, positions[rank])
+
     # NeMo's shift: position t scores token t + 1; the last position's target is dropped.
-    next_ids = F.pad(input_ids.roll(-1, -1), (0, padded_len - seq_len))
-    logprobs = core.token_logprobs(
+    # Padding positions score token 0 at temperature 1; their results are cut off below.
+    result = _local_logprobs(
         logits,
-        next_ids.index_select(-1, positions[rank]),
+        this_rank(input_ids.roll(-1, -1), 0),
         vocab_start=vocab_start,
         group=group,
         chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        temperature=_local_temperature(
+            temperature, input_ids[..., 1:].shape, lambda t: this_rank(t, 1)
+        ),
+        return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
-    return _gather_to_positions(logprobs, positions, group_name, -1)[..., : seq_len - 1]
+    result = _gather_to_positions(result, positions, group_name, -1)[..., : seq_len - 1]
+    return _split(result, return_entropy)
 
 
 def _check_packed(
@@ -284,7 +333,10 @@ def packed_context_parallel_logprobs(
     group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    ignore_index: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of a packed (THD) TP×CP-sharded row, as fp32 ``[B, max_seqlen - 1]``.
 
     Eager equivalent: row ``i`` is ``log_softmax(seq.float(), -1)[:-1].gather(-1, ids[1:, None])[:, 0]``
@@ -299,10 +351,13 @@ def packed_context_parallel_logprobs(
             (full row, not divided by ``C``), each length a multiple of ``2 * C``. It stays
             on the device: its values are checked there and never read by the host.
         max_seqlen: the unpacked length; the output has ``max_seqlen - 1`` columns.
-        vocab_start, group, cp_group, chunk_size: as in :func:`context_parallel_logprobs`.
+        vocab_start, group, cp_group, chunk_size, ignore_index, return_entropy: as in
+            :func:`context_parallel_logprobs`.
+        temperature: a float, or a tensor that broadcasts to the output
+            ``[B, max_seqlen - 1]`` (e.g. ``[B, 1]``, one per sequence).
 
     Within each sequence, position t scores token t + 1; the last position's (wrapped)
-    target is dropped. One all-gather of fp32 log-probs over CP in total.
+    target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
     """
     size, rank = _size_rank(cp_group)
     _check_packed(logits, input_ids, cu_seqlens_padded, max_seqlen, size)
@@ -318,17 +373,26 @@ def packed_context_parallel_logprobs(
     positions = _load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
     mine = positions[rank]
     next_pos = torch.where(mine + 1 < end, mine + 1, start)  # roll within each sequence
-    logprobs = core.token_logprobs(
+    # Output column of each local position; columns past the output get temperature 1.
+    out_column = (mine - start).clamp(max=max_seqlen - 1)
+    result = _local_logprobs(
         logits,
         input_ids.index_select(-1, next_pos),
         vocab_start=vocab_start,
         group=group,
         chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        temperature=_local_temperature(
+            temperature,
+            (batch, max_seqlen - 1),
+            lambda t: F.pad(t, (0, 1), value=1)[seq, out_column].unsqueeze(0),
+        ),
+        return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
-    packed = _gather_to_positions(logprobs, positions, group_name, -1)[0]  # [T]
+    packed = _gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
 
     column = torch.arange(max_seqlen - 1, device=logits.device)
     source = (cu[:-1].unsqueeze(-1) + column).clamp(max=total - 1)  # [B, max_seqlen - 1]
     keep = column < (cu[1:] - cu[:-1] - 1).unsqueeze(-1)
-    return torch.where(keep, packed[source], 0.0)
+    return _split(torch.where(keep, packed[..., source], 0.0), return_entropy)

@@ -108,7 +108,9 @@ def _local_logprobs(
     group: dist.ProcessGroup | None,
     seq_index: torch.Tensor | None,
     chunk_size: int | None,
-) -> torch.Tensor:
+    **options,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``options``: ``ignore_index``, ``temperature``, ``return_entropy``."""
     input_ids, cp_group, seq_index = _natural_ids(target, seq_index)
     return context_parallel.context_parallel_logprobs(
         logits,
@@ -118,6 +120,7 @@ def _local_logprobs(
         cp_group=cp_group,
         seq_index=seq_index,
         chunk_size=chunk_size,
+        **options,
     )
 
 
@@ -127,7 +130,10 @@ def dtensor_logprobs(
     *,
     seq_index: torch.Tensor | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    ignore_index: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of DTensor logits, fp32 ``[B, S - 1]`` in natural order.
 
     Eager equivalent: ``log_softmax(full.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]``
@@ -140,7 +146,21 @@ def dtensor_logprobs(
             the sequence over mesh axis ``"cp"`` holding the sequence in CP order.
         seq_index: ``[S]`` natural position of each CP-ordered position; required under CP.
         chunk_size: as in :func:`compiled_logprob.token_logprobs`.
+        ignore_index, temperature, return_entropy: as in
+            :func:`compiled_logprob.context_parallel_logprobs` (a plain tensor
+            ``temperature`` in natural order); with ``return_entropy``, returns
+            ``(logprobs, entropy)``.
     """
     start, _ = vocab_shard_bounds(logits)
     tp_group = logits.device_mesh.get_group("tp")
-    return _local_logprobs(logits.to_local(), input_ids, start, tp_group, seq_index, chunk_size)
+    return _local_logprobs(
+        logits.to_local(),
+        input_ids,
+        start,
+        tp_group,
+        seq_index,
+        chunk_size,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        return_entropy=return_entropy,
+    )

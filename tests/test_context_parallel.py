@@ -28,12 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from compiled_logprob import context_parallel as cp_api
 from compiled_logprob import dtensor as dt_api
 from compiled_logprob import nemo_compat as nemo
-from compiled_logprob.testing.reference import oracle_logprobs, vocab_bounds
+from compiled_logprob.testing.reference import oracle_entropy, oracle_logprobs, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
 GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]  # (tp, cp)
 BATCH, VOCAB = 2, 97
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+IGNORE = -100
+# Keyword options beyond the drop-ins': None (none), "float" (ignore_index, temperature 0.7),
+# "position" (ignore_index, a per-position temperature tensor, return_entropy).
+EXTRAS = (None, "float", "position")
 _MESHES: dict[tuple[int, int], object] = {}
 
 
@@ -74,6 +78,35 @@ def _upstreams(shape, seed: int, tp_rank: int, cp_rank: int, cp: int):
     return grads[cp_rank], sum(grads)
 
 
+def _extras(kind: str | None, ids: torch.Tensor, out_shape, gen):
+    """``(ids, options)``: with ``kind``, ~30% of ``ids`` are IGNORE and ``options`` are the
+    keyword options of :data:`EXTRAS` (a per-position temperature of the output's shape)."""
+    if kind is None:
+        return ids, {}
+    ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.3, IGNORE, ids)
+    if kind == "float":
+        return ids, dict(ignore_index=IGNORE, temperature=0.7)
+    temperature = 0.5 + 1.5 * torch.rand(out_shape, generator=gen)
+    return ids, dict(ignore_index=IGNORE, temperature=temperature, return_entropy=True)
+
+
+def _stacked(out) -> torch.Tensor:
+    """``(logprobs, entropy)`` as one ``[2, ...]`` tensor; log-probs alone as they are."""
+    return torch.stack(out) if isinstance(out, tuple) else out
+
+
+def _oracle_next_token(full: torch.Tensor, ids: torch.Tensor, options: dict) -> torch.Tensor:
+    """The float64 oracle of next-token log-probs (stacked with the entropy where asked) of
+    natural-order ``full`` ``[..., S, V]`` and ``ids`` ``[..., S]``: ``[(2,) ..., S - 1]``."""
+    logits, targets = full[..., :-1, :], ids[..., 1:]
+    temperature = options.get("temperature", 1.0)
+    logprobs = oracle_logprobs(logits, targets, options.get("ignore_index"), temperature)
+    if not options.get("return_entropy"):
+        return logprobs
+    entropy = torch.where(targets == IGNORE, 0.0, oracle_entropy(logits, temperature))
+    return torch.stack([logprobs, entropy])
+
+
 def _assert_matches(out, expected, grad, expected_grad, upstream_sum, dtype) -> None:
     assert out.dtype == torch.float32 and out.shape == expected.shape, (out.shape, expected.shape)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
@@ -87,29 +120,36 @@ def _assert_matches(out, expected, grad, expected_grad, upstream_sum, dtype) -> 
     torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
 
 
-def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk):
+def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, **options):
     if api == "context_parallel_logprobs":
         return cp_api.context_parallel_logprobs(
-            logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group, chunk_size=chunk
+            logits,
+            ids,
+            vocab_start=lo,
+            group=tp_group,
+            cp_group=cp_group,
+            chunk_size=chunk,
+            **options,
         )
     return nemo.from_parallel_logits_to_logprobs(
         logits, ids, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk
     )
 
 
-def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0):
+def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0, extras=None):
     _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
     dtype = DTYPES[dtype_name]
     local_len = 2 * -(-seq // (2 * cp))  # room for S, load-balanced chunks
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64).to(dtype)
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    ids, options = _extras(extras, ids, (BATCH, seq - 1), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
 
-    out = _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk)
+    out = _stacked(_cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, **options))
     oracle_in = full.double().requires_grad_()
-    expected = oracle_logprobs(oracle_in[:, : seq - 1], ids[:, 1:])
+    expected = _oracle_next_token(oracle_in[:, :seq], ids, options)
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
@@ -129,15 +169,26 @@ def _packed_layout(lengths, cp, seed, cu_dtype):
     return full, ids, cu
 
 
-def _packed_oracle(full, ids, cu, max_seqlen):
+def _packed_oracle(full, ids, cu, max_seqlen, options=None):
+    """``[(2,) B, max_seqlen - 1]``: each sequence's next-token oracle, cut and zero-padded; a
+    tensor temperature is ``[B, max_seqlen - 1]``."""
+    options = options or {}
     rows = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        row = oracle_logprobs(full[start : end - 1], ids[start + 1 : end])[: max_seqlen - 1]
-        rows.append(torch.nn.functional.pad(row, (0, max_seqlen - 1 - row.numel())))
-    return torch.stack(rows)
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        kept = max(0, min(end - start, max_seqlen) - 1)  # positions left after the cut
+        row_options = dict(options)
+        if isinstance(options.get("temperature"), torch.Tensor):
+            row_options["temperature"] = options["temperature"][i, :kept]
+        row = _oracle_next_token(
+            full[start : start + kept + 1], ids[start : start + kept + 1], row_options
+        )
+        rows.append(torch.nn.functional.pad(row, (0, max_seqlen - 1 - kept)))
+    return torch.stack(rows, dim=-2)
 
 
-def _packed_logprobs(api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group, chunk):
+def _packed_logprobs(
+    api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group, chunk, **options
+):
     if api == "packed_context_parallel_logprobs":
         return cp_api.packed_context_parallel_logprobs(
             logits,
@@ -148,25 +199,30 @@ def _packed_logprobs(api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_grou
             group=tp_group,
             cp_group=cp_group,
             chunk_size=chunk,
+            **options,
         )
     return nemo.from_parallel_logits_to_logprobs_packed_sequences(
         logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk
     )
 
 
-def _check_packed(tp, cp, api, lengths, max_seqlen, chunk, cu_dtype, seed=0):
+def _check_packed(tp, cp, api, lengths, max_seqlen, chunk, cu_dtype, seed=0, extras=None):
     _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
     full, ids, cu = _packed_layout(lengths, cp, seed, cu_dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids, options = _extras(extras, ids, (len(lengths), max_seqlen - 1), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
     local = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])
     logits = local[None, :, lo:hi].float().requires_grad_()
 
-    out = _packed_logprobs(
-        api, logits, ids[None], cu, max_seqlen, lo, hi, tp_group, cp_group, chunk
+    out = _stacked(
+        _packed_logprobs(
+            api, logits, ids[None], cu, max_seqlen, lo, hi, tp_group, cp_group, chunk, **options
+        )
     )
     oracle_in = full.float().double().requires_grad_()
-    expected = _packed_oracle(oracle_in, ids, cu, max_seqlen)
+    expected = _packed_oracle(oracle_in, ids, cu, max_seqlen, options)
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
@@ -176,17 +232,31 @@ def _check_packed(tp, cp, api, lengths, max_seqlen, chunk, cu_dtype, seed=0):
     )
 
 
+def _check_options(tp, cp):
+    """ignore_index, temperature and return_entropy through every CP entry point (padding
+    included: S = 13 and 11 need it, and so do the packed lengths)."""
+    seq = 13 if cp < 4 else 11
+    for extras, chunk in itertools.product(EXTRAS[1:], (None, 3)):
+        _check_cp(tp, cp, "context_parallel_logprobs", seq, chunk, "fp32", seed=2, extras=extras)
+        _check_packed(
+            tp, cp, "packed_context_parallel_logprobs", (5, 0, 9, 1, 3), 7, chunk, torch.int64,
+            seed=2, extras=extras,
+        )
+        _check_dtensor(tp, cp, "dtensor_logprobs", 12 if cp < 4 else 16, chunk, 2, extras)
+
+
 def _dtensor_vocab_bounds(tp_rank: int, tp: int) -> tuple[int, int]:
     """DTensor's Shard semantics (torch.chunk), unlike vocab_bounds: 97 over 4 is 25,25,25,22."""
     sizes = [len(c) for c in torch.arange(VOCAB).chunk(tp)]
     return sum(sizes[:tp_rank]), sum(sizes[: tp_rank + 1])
 
 
-def _check_dtensor(tp, cp, api, seq, chunk, seed=0):
+def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None):
     mesh, tp_group, _, tp_rank, cp_rank = _layout(tp, cp)
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(BATCH, seq, VOCAB, generator=gen, dtype=torch.float64).float()
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    ids, options = _extras(extras, ids, (BATCH, seq - 1), gen)
     # Any permutation will do: seq_index[k] is the natural position of CP-ordered position k.
     seq_index = torch.randperm(seq, generator=gen) if cp > 1 else torch.arange(seq)
     ordered, ordered_ids = full[:, seq_index], ids[:, seq_index]
@@ -207,14 +277,18 @@ def _check_dtensor(tp, cp, api, seq, chunk, seed=0):
         logits = distribute_tensor(ordered, mesh, [Shard(1), Shard(2)]).requires_grad_()
         target = distribute_tensor(ordered_ids, mesh, [Shard(1), Replicate()])
         if api == "dtensor_logprobs":
-            out = dt_api.dtensor_logprobs(logits, target, seq_index=given_index, chunk_size=chunk)
+            out = _stacked(
+                dt_api.dtensor_logprobs(
+                    logits, target, seq_index=given_index, chunk_size=chunk, **options
+                )
+            )
         else:
             out = nemo.get_logprobs_from_vocab_parallel_logits(logits, target, given_index, chunk)
         assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
         grad = lambda: logits.grad.to_local()
 
     oracle_in = full.double().requires_grad_()
-    expected = oracle_logprobs(oracle_in[:, :-1], ids[:, 1:])
+    expected = _oracle_next_token(oracle_in, ids, options)
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
@@ -285,6 +359,12 @@ def _check_grid(tp, cp):
 @pytest.mark.parametrize("tp,cp", GRIDS, ids=[f"tp{tp}xcp{cp}" for tp, cp in GRIDS])
 def test_matches_oracle(gloo_pool, tp, cp):
     gloo_pool(tp * cp).run(_check_grid, tp, cp)
+
+
+@pytest.mark.parametrize("tp,cp", GRIDS, ids=[f"tp{tp}xcp{cp}" for tp, cp in GRIDS])
+def test_options(gloo_pool, tp, cp):
+    """ignore_index, a float or per-position temperature and the entropy, forward and backward."""
+    gloo_pool(tp * cp).run(_check_options, tp, cp)
 
 
 def _check_uneven_vocab(tp):
@@ -455,6 +535,8 @@ def _host_sync_checks(tp, cp):
         torch.randn(BATCH, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]
     ).requires_grad_()
     dt_ids = distribute_tensor(ids, mesh, [Shard(1), Replicate()])
+    extras = dict(ignore_index=IGNORE, return_entropy=True)
+    ignored_ids = torch.where(ids % 5 == 0, IGNORE, ids)
     with no_host_syncs():
         outs = [
             nemo.from_parallel_logits_to_logprobs(
@@ -465,6 +547,33 @@ def _host_sync_checks(tp, cp):
             ),
             nemo.get_logprobs_from_vocab_parallel_logits(dt_logits, dt_ids, seq_index),
             nemo.allgather_cp_sharded_tensor(logits, cp_group),
+            *cp_api.context_parallel_logprobs(
+                logits,
+                ignored_ids[:, 1:],
+                vocab_start=lo,
+                group=tp_group,
+                cp_group=cp_group,
+                temperature=torch.full((BATCH, 6 * cp - 2), 0.7),
+                **extras,
+            ),
+            *cp_api.packed_context_parallel_logprobs(
+                packed_logits,
+                torch.where(packed_ids % 5 == 0, IGNORE, packed_ids)[None],
+                cu,
+                max_seqlen=5,
+                vocab_start=lo,
+                group=tp_group,
+                cp_group=cp_group,
+                temperature=torch.tensor([[0.5], [2.0]]),
+                **extras,
+            ),
+            *dt_api.dtensor_logprobs(
+                dt_logits,
+                distribute_tensor(ignored_ids, mesh, [Shard(1), Replicate()]),
+                seq_index=seq_index,
+                temperature=0.7,
+                **extras,
+            ),
         ]
         sum(out.sum() for out in outs).backward()
 
@@ -568,6 +677,14 @@ def _bad_input_messages(tp, cp):
             distribute_tensor(ids, mesh, [Shard(1), Replicate()]),
         ),
         "plain tensor logits": lambda: nemo.get_logprobs_from_vocab_parallel_logits(logits, ids),
+        "temperature shape": lambda: cp_api.context_parallel_logprobs(
+            logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group,
+            temperature=torch.ones(1, 6 * cp),
+        ),
+        "packed temperature shape": lambda: cp_api.packed_context_parallel_logprobs(
+            logits, ids, cu, max_seqlen=4, vocab_start=lo, group=tp_group, cp_group=cp_group,
+            temperature=torch.ones(3, 1),
+        ),
     }
     messages = {}
     for name, call in cases.items():
@@ -594,6 +711,10 @@ def test_bad_input(gloo_pool):
         "not vocab-sharded": "ValueError: the logits must be sharded on the vocabulary",
         "seq_index missing": "ValueError: seq_index must be given",
         "plain tensor logits": "TypeError: vocab_parallel_logits must be a DTensor",
+        "temperature shape": "ValueError: temperature of shape \\(1, 12\\) does not broadcast "
+        "to the output positions \\(1, 11\\)",
+        "packed temperature shape": "ValueError: temperature of shape \\(3, 1\\) does not "
+        "broadcast to the output positions \\(2, 3\\)",
     }
     for name, pattern in expected.items():
         assert messages[name] is not None, f"{name}: no error"

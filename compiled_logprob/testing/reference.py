@@ -20,36 +20,74 @@ import torch.distributed as dist
 __all__ = [
     "SeedChunkedDistributedLogprob",
     "SeedDistributedLogprob",
+    "oracle_entropy",
     "oracle_log_softmax",
     "oracle_logprobs",
     "oracle_logsumexp",
+    "oracle_topk",
     "vocab_bounds",
 ]
 
 
-def oracle_log_softmax(full_logits: torch.Tensor) -> torch.Tensor:
-    """float64 ``[..., V]`` log-softmax of the unsharded logits."""
-    return torch.log_softmax(full_logits.double(), dim=-1)
+def _scaled(full_logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """float64 ``full_logits / temperature``; a tensor ``temperature`` broadcasts to ``[...]``."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.double().unsqueeze(-1)
+    return full_logits.double() / temperature
 
 
-def oracle_logsumexp(full_logits: torch.Tensor) -> torch.Tensor:
-    """float64 ``[...]`` logsumexp of the unsharded logits."""
-    return torch.logsumexp(full_logits.double(), dim=-1)
+def oracle_log_softmax(
+    full_logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """float64 ``[..., V]`` log-softmax of the unsharded logits over ``temperature``."""
+    return torch.log_softmax(_scaled(full_logits, temperature), dim=-1)
+
+
+def oracle_logsumexp(
+    full_logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """float64 ``[...]`` logsumexp of the unsharded logits over ``temperature``."""
+    return torch.logsumexp(_scaled(full_logits, temperature), dim=-1)
 
 
 def oracle_logprobs(
-    full_logits: torch.Tensor, target: torch.Tensor, ignore_index: int | None = None
+    full_logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
-    """float64 ``[...]`` log-probs of ``target`` under the full-vocabulary softmax.
+    """float64 log-probs of ``target`` under the full-vocabulary softmax of the logits over
+    ``temperature``: ``target`` ``[...]`` gives ``[...]``, ``target`` ``[..., K]`` (``K`` ids
+    per position) gives ``[..., K]``.
 
     Positions whose target equals ``ignore_index`` hold 0 (and get no gradient).
     """
-    ignored = torch.zeros_like(target, dtype=torch.bool)
+    per_position = target.dim() == full_logits.dim() - 1
+    ids = target.unsqueeze(-1) if per_position else target
+    ignored = torch.zeros_like(ids, dtype=torch.bool)
     if ignore_index is not None:
-        ignored = target == ignore_index
-    safe_target = torch.where(ignored, 0, target)
-    logprobs = oracle_log_softmax(full_logits).gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
-    return torch.where(ignored, 0.0, logprobs)
+        ignored = ids == ignore_index
+    log_softmax = oracle_log_softmax(full_logits, temperature)
+    logprobs = torch.where(ignored, 0.0, log_softmax.gather(-1, torch.where(ignored, 0, ids)))
+    return logprobs.squeeze(-1) if per_position else logprobs
+
+
+def oracle_entropy(
+    full_logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """float64 ``[...]`` entropy ``-Σ p log p`` of the full-vocabulary softmax over
+    ``temperature``; a ``-inf`` logit (``p = 0``) contributes 0, and no NaN to the gradient."""
+    log_softmax = oracle_log_softmax(full_logits, temperature)
+    probs = log_softmax.exp()
+    return -(probs * torch.where(probs > 0, log_softmax, 0.0)).sum(-1)
+
+
+def oracle_topk(
+    full_logits: torch.Tensor, k: int, temperature: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[..., k]`` top-``k`` log-probs over the full vocabulary and their int64 ids,
+    in decreasing order."""
+    return oracle_log_softmax(full_logits, temperature).topk(k, dim=-1)
 
 
 def vocab_bounds(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:

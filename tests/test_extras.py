@@ -1,0 +1,454 @@
+"""Temperature, entropy, ignore_index, K ids per position and the global top-k against the
+float64 oracle, forward and backward, on even and uneven vocabulary shards.
+
+Like ``test_tp_numerics``: every rank builds the same full logits from one seed, takes its own
+``vocab_bounds`` shard and compares its outputs and its gradient of
+``Σ_i sum(output_i · upstream_i)`` with the oracle's (``compiled_logprob.testing.reference``,
+which divides by the temperature in float64), sliced at its vocabulary range. TP = 1 runs in
+this process with ``group=None``; TP = 2 and 3 on the session's gloo pools.
+
+Tolerances (derived in ``_check_case``): the oracle sees the logits already rounded to their
+dtype, so what is left is fp32 math on ``z = logits / temperature`` and the final rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+import test_tp_numerics as numerics
+from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp_group
+
+import compiled_logprob as cl
+from compiled_logprob.testing.reference import (
+    oracle_entropy,
+    oracle_log_softmax,
+    oracle_logprobs,
+    oracle_logsumexp,
+    oracle_topk,
+    vocab_bounds,
+)
+from compiled_logprob.testing.sync_check import no_host_syncs
+
+APIS = (
+    "token_logprobs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_topk",
+)
+TEMPERATURES = (None, "float", "row", "position")
+FP32_EPS = torch.finfo(torch.float32).eps
+FP32_TINY = torch.finfo(torch.float32).smallest_normal * FP32_EPS  # the subnormal step
+
+
+@dataclasses.dataclass(frozen=True)
+class Case(numerics.Case):
+    """``test_tp_numerics``' case (logits, ids, ``ignore``, ``special="inf_shard"``) and the
+    extras' options; ``api`` is one of :data:`APIS`."""
+
+    temperature: str | None = None  # 0.7 ("float"), per row [*lead, 1], per position [*lead, S]
+    k: int = 0  # token_logprobs: K ids per position (target [..., S, K]); topk: k
+    entropy: bool = False  # token_logprobs: return_entropy
+
+
+def _temperature(case: Case, gen: torch.Generator) -> float | torch.Tensor:
+    if case.temperature == "float":
+        return 0.7
+    if case.temperature == "row":
+        rows = (*case.lead, 1)
+        return torch.linspace(0.5, 2.0, torch.Size(rows).numel()).view(rows)
+    if case.temperature == "position":
+        return 0.5 + 1.5 * torch.rand((*case.lead, case.seq), generator=gen)
+    return 1.0
+
+
+def _inputs(case: Case, world: int):
+    """Full logits (in ``case.dtype``), ids and temperature, identical on every rank: those of
+    ``test_tp_numerics`` and, for K ids, K - 1 more ids per position (the first repeated)."""
+    logits, target, _ = numerics._inputs(case, world)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    if case.api == "token_logprobs" and case.k:
+        extra = torch.randint(0, case.vocab, (*target.shape, case.k - 1), generator=gen)
+        if case.special == "inf_shard":  # ids below the -inf shard, as the first one
+            parts = max(world, 2)
+            extra = extra % vocab_bounds(case.vocab, parts, parts - 1)[0]
+        if case.ignore:
+            extra = torch.where(torch.rand(extra.shape, generator=gen) < 0.3, IGNORE, extra)
+        target = torch.cat([target.unsqueeze(-1), extra], -1)
+        if case.k > 1:
+            target[..., 1] = target[..., 0]  # a repeated id: its gradients add up
+        if case.ignore:
+            target.view(-1, case.k)[0] = IGNORE  # a position whose every id is ignored
+    return logits, target, _temperature(case, gen)
+
+
+def _ours(case: Case, shard, target, start: int, group, temperature) -> tuple:
+    """Our outputs (fp32, differentiable) and, for top-k, the ids."""
+    options = dict(group=group, chunk_size=case.chunk, temperature=temperature)
+    if case.api == "token_logprobs":
+        out = cl.token_logprobs(
+            shard,
+            target,
+            vocab_start=start,
+            ignore_index=IGNORE if case.ignore else None,
+            return_entropy=case.entropy,
+            **options,
+        )
+        return (out if case.entropy else (out,)), None
+    if case.api == "vocab_parallel_entropy":
+        return (cl.vocab_parallel_entropy(shard, **options),), None
+    if case.api == "vocab_parallel_logsumexp":
+        return (cl.vocab_parallel_logsumexp(shard, **options),), None
+    logprobs, ids = cl.vocab_parallel_topk(shard, case.k, vocab_start=start, **options)
+    return (logprobs,), ids
+
+
+def _ignored_rows(case: Case, target: torch.Tensor) -> torch.Tensor:
+    """``[..., S]``: positions whose every id is ignored (their entropy is 0, gradient 0)."""
+    ignored = target == IGNORE
+    return ignored.all(-1) if case.k else ignored
+
+
+def _oracle(case: Case, full, target, temperature, ids) -> tuple:
+    if case.api == "token_logprobs":
+        logprobs = oracle_logprobs(full, target, IGNORE if case.ignore else None, temperature)
+        if not case.entropy:
+            return (logprobs,)
+        entropy = oracle_entropy(full, temperature)
+        if case.ignore:
+            entropy = torch.where(_ignored_rows(case, target), 0.0, entropy)
+        return logprobs, entropy
+    if case.api == "vocab_parallel_entropy":
+        return (oracle_entropy(full, temperature),)
+    if case.api == "vocab_parallel_logsumexp":
+        return (oracle_logsumexp(full, temperature),)
+    # Our ids, checked to be a top-k of the oracle's in _check_topk_ids (ties included).
+    return (oracle_log_softmax(full, temperature).gather(-1, ids),)
+
+
+def _value_and_grad(fn, leaf: torch.Tensor, upstreams):
+    leaf = leaf.detach().requires_grad_()
+    outs, extra = fn(leaf)
+    (grad,) = torch.autograd.grad(outs, leaf, [u.to(o.dtype) for u, o in zip(upstreams, outs)])
+    return [out.detach() for out in outs], grad, extra
+
+
+def _check_topk_ids(case: Case, ids, full, temperature, where: str) -> None:
+    """Our ids are distinct and the oracle's log-probs at them are its top-k values, in order:
+    they are the oracle's ids wherever the top-k has no ties (bf16 rounding makes ties)."""
+    values, oracle_ids = oracle_topk(full, case.k, temperature)
+    assert ids.dtype == torch.int64 and ids.shape == values.shape, (where, ids.shape)
+    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), f"{where}: repeated top-k ids"
+    at_ids = oracle_log_softmax(full, temperature).gather(-1, ids)
+    assert torch.equal(at_ids, values), f"{where}: top-k ids are not the oracle's top-k"
+    if case.dtype == "fp32" and case.special is None:  # randn in fp32: no ties
+        assert torch.equal(ids, oracle_ids), f"{where}: top-k ids differ from the oracle's"
+
+
+def _grad_bound(case, full, temperature, upstreams, ref_grad, delta, dtype) -> torch.Tensor:
+    """Elementwise bound on our logits gradient's error.
+
+    In ``z`` the gradient is ``Σ_k g_k (onehot_k − p) + g_lse p − g_H p (z − E[z])``.
+    ``p = exp(z − lse)`` carries ``lse``'s error ``delta`` as a relative error, and ``z − E[z]``
+    carries ``E[z] = lse − H``'s error ``delta``; so the error is at most
+    ``delta · p · (Σ|g_k| + |g_lse| + |g_H| (3 + |z − E[z]|))`` (3: the two errors and the
+    rounding of ``1 + z − E[z]``), plus half an fp32 subnormal step of ``p`` times the same
+    weight, where ``exp`` underflows gradually (``|z − E[z]|`` amplifies it by up to ``|z|``).
+    Then ``dz/dlogits = 1 / temperature``, and four roundings relative to the result: the
+    one-hot sum, adding it, dividing by the temperature (fp32) and into the gradient's dtype
+    (plus half a subnormal step of the dtype where that flushes).
+    """
+    with torch.no_grad():
+        log_softmax = oracle_log_softmax(full, temperature)
+        probs = log_softmax.exp()
+        z = log_softmax + oracle_logsumexp(full, temperature).unsqueeze(-1)
+        mean = (probs * torch.where(probs > 0, z, 0.0)).sum(-1, keepdim=True)
+        row_weight = torch.zeros(probs.shape[:-1], dtype=torch.float64)
+        entropy_weight = torch.zeros_like(row_weight)
+        for g, is_entropy in zip(upstreams, _entropy_outputs(case)):
+            if is_entropy:
+                entropy_weight += g.abs()
+            else:
+                row_weight += g.abs() if g.shape == row_weight.shape else g.abs().sum(-1)
+        centred = torch.where(probs > 0, z - mean, 0.0).abs()
+        weight = row_weight.unsqueeze(-1) + entropy_weight.unsqueeze(-1) * (3 + centred)
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.double().unsqueeze(-1)
+        info = torch.finfo(dtype)
+        rounding = (info.eps + 2 * FP32_EPS) * ref_grad.abs() + info.smallest_normal * info.eps / 2
+        underflow = FP32_TINY / 2
+        return (delta * probs + underflow) * weight / temperature + rounding
+
+
+def _entropy_outputs(case: Case) -> tuple[bool, ...]:
+    """Which outputs are entropies."""
+    if case.api == "token_logprobs":
+        return (False, True) if case.entropy else (False,)
+    return (case.api == "vocab_parallel_entropy",)
+
+
+def _check_case(case: Case, group) -> None:
+    """Forward and backward of ``case`` on this rank's shard against the float64 oracle."""
+    rank, world = _rank_and_size(group)
+    where = f"{case} rank {rank}/{world}"
+    start, end = vocab_bounds(case.vocab, world, rank)
+    logits, target, temperature = _inputs(case, world)
+    shard = logits[..., start:end]
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    out_shape = (*logits.shape[:-1], case.k) if case.k else logits.shape[:-1]
+    upstreams = [
+        torch.randn(out_shape if not is_entropy else logits.shape[:-1], generator=gen, dtype=torch.float64)
+        for is_entropy in _entropy_outputs(case)
+    ]
+    ours, grad, ids = _value_and_grad(
+        lambda x: _ours(case, x, target, start, group, temperature), shard, upstreams
+    )
+    full = logits.double()
+    if ids is not None:
+        _check_topk_ids(case, ids, full, temperature, where)
+    upstreams = [u.float().double() for u in upstreams]  # as the autograd engine saw them
+    refs, ref_grad, _ = _value_and_grad(
+        lambda x: (_oracle(case, x, target, temperature, ids), None), full, upstreams
+    )
+
+    # delta: absolute error of an fp32 logsumexp-type value of z (as in test_tp_numerics):
+    # ~80 ulps of max(1, |z|max). The entropy is lse − E[z] with E[z] = lse − Σ_r w_r(H_r −
+    # log w_r) summed from non-negative terms, so it carries the same delta: its rounding
+    # scales with |z| (two fp32 roundings of lse-sized values), not with |z|².
+    z = full / (temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature)
+    delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
+    for out, ref, is_entropy in zip(ours, refs, _entropy_outputs(case)):
+        assert out.dtype == torch.float32 and out.shape == ref.shape, (where, out.shape, ref.shape)
+        _assert_within(out, ref, delta + FP32_EPS * ref.abs(), f"{where} output")
+        # lse − fl(lse − H) >= 0 exactly for H >= 0: rounding never makes an entropy negative.
+        assert not is_entropy or (out >= 0).all(), f"{where}: negative entropy"
+    if case.ignore:
+        ignored_rows = _ignored_rows(case, target)
+        assert (ours[0].masked_select(target == IGNORE) == 0).all(), f"{where}: log-prob not 0"
+        if case.entropy:
+            assert (ours[1].masked_select(ignored_rows) == 0).all(), f"{where}: entropy not 0"
+        assert (grad.masked_select(ignored_rows.unsqueeze(-1)) == 0).all(), f"{where}: gradient"
+    bound = _grad_bound(case, full, temperature, upstreams, ref_grad, delta, grad.dtype)
+    mine = slice(start, end)
+    _assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")
+
+
+def _check_cases(cases: list[Case]) -> None:
+    group = dist.group.WORLD if dist.is_initialized() else None
+    for case in cases:
+        _check_case(case, group)
+
+
+def _run(gloo_pool, world: int, cases: list[Case]) -> None:
+    if world == 1:
+        _check_cases(cases)  # group=None in this process: no torch.distributed
+    else:
+        gloo_pool(world).run(_check_cases, cases)
+
+
+# ---------------------------------------------------------------------------------------
+# Tests
+
+WORLDS = (1, 2, 3)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_temperature(gloo_pool, world):
+    """A float, a per-row [B, 1] and a per-position [B, S] temperature, every entry point."""
+    cases = [Case(temperature=t, seed=i) for i, t in enumerate(TEMPERATURES[1:])]
+    cases += [
+        Case(temperature="position", dtype="bf16", seed=3),
+        Case(temperature="row", lead=(), seed=4),  # [S, V]: one row
+        Case(api="vocab_parallel_logsumexp", temperature="row", seed=5),
+        Case(api="vocab_parallel_entropy", temperature="position", dtype="fp16", seed=6),
+        Case(api="vocab_parallel_topk", k=5, temperature="position", seed=7),
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_entropy(gloo_pool, world):
+    """Entropy alone and beside the log-probs: every dtype, x1000 logits, whole -inf shards."""
+    entropy = Case(api="vocab_parallel_entropy")
+    cases = [dataclasses.replace(entropy, dtype=d, seed=10) for d in sorted(DTYPES)]
+    cases += [
+        Case(entropy=True, seed=11),
+        # Near-one-hot rows, where lse − Σ_v p_v z_v would cancel catastrophically.
+        Case(entropy=True, scale=1000.0, lead=(4,), seed=12),
+        Case(entropy=True, scale=1000.0, lead=(4,), dtype="bf16", temperature="row", seed=13),
+        Case(entropy=True, special="inf_shard", dtype="bf16", seed=14),
+        dataclasses.replace(entropy, special="inf_shard", temperature="position", seed=15),
+        dataclasses.replace(entropy, scale=30.0, lead=(1, 2), seed=16),
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ignore_index_with_entropy(gloo_pool, world):
+    """Ignored positions: log-prob and entropy 0 and no gradient; the rest as without."""
+    cases = [
+        Case(ignore=True, entropy=True, seed=20),
+        Case(ignore=True, entropy=True, chunk=4, temperature="position", dtype="bf16", seed=21),
+        Case(ignore=True, entropy=True, k=3, seed=22),
+        Case(ignore=True, entropy=True, special="inf_shard", seed=23),
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_k_ids(gloo_pool, world):
+    """[B, S, K] ids: repeated ids, ids of different shards, ignore_index inside K."""
+    cases = [
+        Case(k=4, seed=30),
+        Case(k=1, seed=31),
+        Case(k=4, ignore=True, dtype="bf16", seed=32),
+        Case(k=4, entropy=True, temperature="row", chunk=5, seed=33),
+        Case(k=2, lead=(), scale=1000.0, seed=34),
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_topk(gloo_pool, world):
+    """Values and ids equal the oracle's top-k; the log-probs' gradient too."""
+    topk = Case(api="vocab_parallel_topk")
+    cases = [
+        dataclasses.replace(topk, k=1, seed=40),
+        dataclasses.replace(topk, k=8, seed=41),
+        dataclasses.replace(topk, k=8, dtype="bf16", temperature="row", seed=42),
+        dataclasses.replace(topk, k=3, special="inf_shard", chunk=4, seed=43),
+        dataclasses.replace(topk, k=8, scale=1000.0, lead=(2, 1), seed=44),
+        dataclasses.replace(topk, k=7 // world, vocab=7, seed=45),  # k = the smallest V_local
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 20])
+def test_chunked(gloo_pool, chunk):
+    """Chunks that divide S, do not, equal it and exceed it, on uneven shards (TP = 3)."""
+    cases = [
+        Case(k=3, entropy=True, ignore=True, temperature="position", chunk=chunk, seed=50),
+        Case(api="vocab_parallel_entropy", temperature="row", dtype="bf16", chunk=chunk, seed=51),
+        Case(api="vocab_parallel_topk", k=4, temperature="position", chunk=chunk, seed=52),
+    ]
+    _run(gloo_pool, 3, cases)
+
+
+@st.composite
+def _cases(draw, world: int) -> tuple[Case, int]:
+    api = draw(st.sampled_from(APIS))
+    tp = draw(st.integers(1, world))
+    seq = draw(st.integers(1, 17))
+    vocab = draw(st.integers(world, 80))
+    if api == "vocab_parallel_topk":
+        k = draw(st.integers(1, min(8, vocab // tp)))
+    else:
+        k = draw(st.sampled_from([0, 0, 1, 3])) if api == "token_logprobs" else 0
+    case = Case(
+        api=api,
+        lead=draw(st.sampled_from([(), (1,), (3,), (2, 2)])),
+        seq=seq,
+        vocab=vocab,
+        dtype=draw(st.sampled_from(sorted(DTYPES))),
+        scale=draw(st.sampled_from([1e-3, 1.0, 30.0, 1000.0])),
+        chunk=draw(st.none() | st.integers(1, seq + 2)),
+        temperature=draw(st.sampled_from(TEMPERATURES)),
+        k=k,
+        entropy=api == "token_logprobs" and draw(st.booleans()),
+        ignore=api == "token_logprobs" and draw(st.booleans()),
+        special=draw(st.sampled_from([None, "inf_shard"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return case, tp
+
+
+def _check_property(max_examples: int) -> None:
+    """The Hypothesis property on every rank in lockstep (as in ``test_tp_numerics``)."""
+    settings_ = settings(
+        derandomize=True,
+        database=None,
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    settings_(given(drawn=_cases(dist.get_world_size()))(_property_example))()
+
+
+def _property_example(drawn: tuple[Case, int]) -> None:
+    case, tp = drawn
+    try:
+        _check_case(case, _tp_group(tp))
+        failure = ""
+    except Exception as error:  # noqa: BLE001 - reported on every rank, see test_tp_numerics
+        failure = f"{type(error).__name__}: {error}"
+    flags = funcol.all_reduce(torch.tensor([float(bool(failure))]), "max", dist.group.WORLD)
+    if funcol.wait_tensor(flags).item():
+        raise AssertionError(failure or "failed on another rank")
+
+
+def test_property(gloo_pool):
+    """Hypothesis over every option above, B, S, V, TP size (1-3, as subgroups of 3 ranks),
+    chunk, dtype and scale, forward and backward, run inside the workers."""
+    gloo_pool(3).run(_check_property, 60)
+
+
+# --- host syncs, bad input ------------------------------------------------------------------
+
+
+def _host_sync_checks() -> None:
+    """Eager forward and backward of every new path under the host-sync dispatch check."""
+    group = dist.group.WORLD
+    rank, world = _rank_and_size(group)
+    start, end = vocab_bounds(97, world, rank)
+    logits = torch.randn(2, 7, end - start, requires_grad=True)
+    ids = torch.randint(0, 97, (2, 7, 3), generator=torch.Generator().manual_seed(0))
+    ids[0, 0] = IGNORE
+    per_row = torch.tensor([[0.5], [2.0]])
+    options = dict(vocab_start=start, group=group, ignore_index=IGNORE, return_entropy=True)
+    with no_host_syncs():
+        outs = [
+            *cl.token_logprobs(logits, ids, temperature=per_row, **options),
+            *cl.token_logprobs(logits, ids[..., 0], temperature=0.7, chunk_size=3, **options),
+            cl.vocab_parallel_entropy(logits, group=group, chunk_size=4, temperature=per_row),
+            cl.vocab_parallel_logsumexp(logits, group=group, temperature=per_row),
+            cl.vocab_parallel_topk(logits, 4, vocab_start=start, group=group, chunk_size=3)[0],
+            cl.vocab_parallel_topk(logits, 2, vocab_start=start, group=group, temperature=0.5)[0],
+        ]
+        sum(out.sum() for out in outs).backward()
+
+
+def test_no_host_syncs(gloo_pool):
+    gloo_pool(2).run(_host_sync_checks)
+
+
+def test_bad_input():
+    logits = torch.randn(2, 5, 11)
+    ids = torch.randint(0, 11, (2, 5, 3))
+    bad_temperature = {
+        0.0: (ValueError, "temperature must be > 0, got 0.0"),
+        -1.0: (ValueError, "temperature must be > 0"),
+        True: (TypeError, "temperature must be a float or a tensor"),
+        torch.tensor([[1.0], [0.0]]): (RuntimeError, "temperature must be > 0 everywhere"),
+        torch.ones(2, 6): (ValueError, r"does not broadcast to the positions \(2, 5\)"),
+        torch.ones(2, 1, dtype=torch.long): (TypeError, "temperature must be a float tensor"),
+    }
+    for temperature, (error, message) in bad_temperature.items():
+        for call in (
+            lambda: cl.token_logprobs(logits, ids, temperature=temperature),
+            lambda: cl.vocab_parallel_entropy(logits, temperature=temperature),
+            lambda: cl.vocab_parallel_topk(logits, 2, temperature=temperature),
+        ):
+            with pytest.raises(error, match=message):
+                call()
+    for k in (0, 12, 2.0, True):
+        with pytest.raises(ValueError, match=r"k must be an int in \[1, V_local = 11\]"):
+            cl.vocab_parallel_topk(logits, k)
+    for target in (ids[:, :4], ids.unsqueeze(-1), ids[0]):
+        with pytest.raises(ValueError, match="or be \\(2, 5\\) \\+ \\(K,\\) for K ids"):
+            cl.token_logprobs(logits, target)
