@@ -158,12 +158,7 @@ def main(argv=None) -> None:
         + (f"## Collectives per call (from the compiled graphs)\n\n{table}\n" if rows else "")
         + f"## Compile time\n\n{timing}"
     )
-    os.makedirs(harness.RESULTS_DIR, exist_ok=True)
-    path = os.path.join(harness.RESULTS_DIR, f"compile_{args.device.split(':')[0]}.md")
-    with open(path, "w") as f:
-        f.write(report)
-    print(report)
-    print(f"wrote {path}")
+    harness.write_result("compile", args.device, False, report)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ checks that need no CUDA, and says what it skipped. Writes ``perf/results/cuda_g
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -124,12 +123,7 @@ def main(argv=None) -> None:
         f"- step: token_logprobs + autograd.grad, bf16 logits {list(shape)}, TP=1\n\n"
         + harness.markdown_table(["capture", "status", "max |diff| vs eager", "ms per step"], rows)
     )
-    os.makedirs(harness.RESULTS_DIR, exist_ok=True)
-    path = os.path.join(harness.RESULTS_DIR, f"cuda_graphs_{args.device.split(':')[0]}{'_quick' if args.quick else ''}.md")
-    with open(path, "w") as f:
-        f.write(report)
-    print(report)
-    print(f"wrote {path}")
+    harness.write_result("cuda_graphs", args.device, args.quick, report)
 
 
 if __name__ == "__main__":

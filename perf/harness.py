@@ -50,6 +50,17 @@ PERF_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(PERF_DIR, "results")
 
 
+def write_result(name: str, device: str, quick: bool, report: str) -> str:
+    """Print ``report`` and write it to ``results/{name}_{device type}[_quick].md``."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}_{device.split(':')[0]}{'_quick' if quick else ''}.md")
+    with open(path, "w") as f:
+        f.write(report)
+    print(report)
+    print(f"wrote {path}")
+    return path
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One measured configuration: logits ``[batch, seq, vocab]`` split over ``tp`` ranks."""

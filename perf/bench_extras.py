@@ -1,0 +1,124 @@
+"""Cost of the extras over the plain token log-prob pass: a temperature, the entropy, K = 4
+ids per position and the top-k (k = 8), eager and compiled, fp32 and bf16, forward and
+forward+backward, TP = 1.
+
+    python perf/bench_extras.py            # [2, 2048, 32000] (~10 min on 2 CPU cores)
+    python perf/bench_extras.py --quick    # [2, 512, 32000]
+    python perf/bench_extras.py --device cuda
+
+Writes ``perf/results/extras_<device>[_quick].md``. Every variant of one (dtype, mode) is
+timed call by call in turn (interleaved, so machine noise hits them alike), after one
+warm-up call each; the table gives medians and each variant's ratio to the plain pass of
+the same path (eager or compiled). The target is ≤ 1.10× for every extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import torch
+
+import harness
+from harness import Case, fmt_time, markdown_table
+
+import compiled_logprob as cl
+
+VARIANTS = ("plain", "temperature", "entropy", "k4_ids", "topk8")
+PATHS = ("eager", "compiled")
+
+
+def _variant(name: str, ids4: torch.Tensor):
+    """``fn(logits, target) -> [B, S]`` for one variant; extras with several outputs are
+    summed so that the backward carries the gradient of each."""
+
+    def fn(logits, target):
+        if name == "plain":
+            return cl.token_logprobs(logits, target)
+        if name == "temperature":
+            return cl.token_logprobs(logits, target, temperature=0.7)
+        if name == "entropy":
+            logprobs, entropy = cl.token_logprobs(logits, target, return_entropy=True)
+            return logprobs + entropy
+        if name == "k4_ids":
+            return cl.token_logprobs(logits, ids4).sum(-1)
+        return cl.vocab_parallel_topk(logits, 8)[0].sum(-1)
+
+    return fn
+
+
+def _step(fn, case: Case, logits, target, grad_out):
+    if case.backward:
+        return lambda: torch.autograd.grad(fn(logits, target), logits, grad_out)[0]
+    return torch.no_grad()(functools.partial(fn, logits, target))
+
+
+def time_variants(case: Case, *, device: str, repeats: int) -> dict[tuple[str, str], float]:
+    """Median seconds per call of every (variant, path), interleaved repeat by repeat."""
+    logits, target, grad_out, _, _ = harness.make_inputs(case, 0, device)
+    # Distinct ids spread over the vocabulary, the first one the target.
+    ids4 = torch.stack([(target + i * (case.vocab // 4)) % case.vocab for i in range(4)], -1)
+    steps = {}
+    for name in VARIANTS:
+        fn = _variant(name, ids4)
+        steps[name, "eager"] = _step(fn, case, logits, target, grad_out)
+        steps[name, "compiled"] = _step(torch.compile(fn, fullgraph=True), case, logits, target, grad_out)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    for step in steps.values():
+        step()  # warm-up: compile, allocator, caches
+    for _ in range(repeats):
+        for key, step in steps.items():
+            harness._sync(device)
+            start = time.perf_counter()
+            out = step()
+            harness._sync(device)
+            times[key].append(time.perf_counter() - start)
+            del out
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def table(results: dict[Case, dict[tuple[str, str], float]]) -> str:
+    header = ["case", "variant", "eager ms", "compiled ms", "eager / plain", "compiled / plain"]
+    rows = []
+    for case, t in results.items():
+        for name in VARIANTS:
+            ratios = [t[name, path] / t["plain", path] for path in PATHS]
+            rows.append([
+                case.label(), name, *(fmt_time(t[name, path]) for path in PATHS),
+                *(f"{r:.2f}×" + (" ✗" if r > 1.10 else "") for r in ratios),
+            ])
+    return markdown_table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    seq = 512 if args.quick else 2048
+    cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
+    results = {}
+    for case in cases:
+        results[case] = time_variants(case, device=args.device, repeats=args.repeats)
+        print(f"  {case.label()} done", flush=True)
+    report = (
+        f"# Extras benchmark{' (quick)' if args.quick else ''}\n\n"
+        + harness.machine_header(args.device)
+        + f"- median of {args.repeats} calls after one warm-up, all variants interleaved; "
+        f"threads: {args.threads}; times in ms; ✗: over the 1.10× target\n"
+        "- plain: `token_logprobs(logits, target)`; temperature: `temperature=0.7`; entropy: "
+        "`return_entropy=True` (log-probs + entropy); k4_ids: `target` `[B, S, 4]`; topk8: "
+        "`vocab_parallel_topk(logits, 8)`\n\n"
+        + table(results)
+    )
+    harness.write_result("extras", args.device, args.quick, report)
+
+
+if __name__ == "__main__":
+    main()
