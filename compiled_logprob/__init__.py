@@ -19,7 +19,11 @@ from compiled_logprob.core import (
     vocab_parallel_topk,
 )
 from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
-from compiled_logprob.lm_head import lm_head_token_logprobs
+from compiled_logprob.lm_head import (
+    lm_head_context_parallel_logprobs,
+    lm_head_packed_context_parallel_logprobs,
+    lm_head_token_logprobs,
+)
 from compiled_logprob.nemo_compat import (
     AllGatherCPTensor,
     ChunkedDistributedLogprob,
@@ -49,6 +53,8 @@ __all__ = [
     "from_parallel_logits_to_logprobs_packed_sequences",
     "gather_context_parallel",
     "get_logprobs_from_vocab_parallel_logits",
+    "lm_head_context_parallel_logprobs",
+    "lm_head_packed_context_parallel_logprobs",
     "lm_head_token_logprobs",
     "packed_context_parallel_logprobs",
     "shard_for_context_parallel",

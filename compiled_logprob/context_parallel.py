@@ -22,6 +22,8 @@ slice.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -135,19 +137,34 @@ def gather_context_parallel(
     return _gather_to_positions(tensor, positions, group.group_name, dim)
 
 
-def _check_ids(logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: int | None) -> None:
-    core._validate_logits(logits, chunk_size)
+def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None:
+    """``input_ids`` against ``tensor`` ``[..., L, *]``, this rank's (validated) ``name``."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.dim() != logits.dim() - 1 or input_ids.shape[:-1] != logits.shape[:-2]:
+    if input_ids.dim() != tensor.dim() - 1 or input_ids.shape[:-1] != tensor.shape[:-2]:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} must be [..., S] with the leading shape of the "
-            f"logits {tuple(logits.shape)} ([..., L, V_local])"
+            f"{name} {tuple(tensor.shape)} ([..., L, *])"
         )
-    if input_ids.device != logits.device:
-        raise ValueError(f"input_ids are on {input_ids.device} but logits on {logits.device}")
+    if input_ids.device != tensor.device:
+        raise ValueError(f"input_ids are on {input_ids.device} but {name} on {tensor.device}")
+
+
+def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index):
+    """Validated ``logits``' local log-prob computation: ``fn(target, *, temperature,
+    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`."""
+    core._validate_logits(logits, chunk_size)
+    _check_ids(logits, input_ids, "logits")
+    return functools.partial(
+        core.token_logprobs,
+        logits,
+        vocab_start=vocab_start,
+        group=group,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+    )
 
 
 def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
@@ -180,10 +197,10 @@ def _local_temperature(
     return select(per_position)
 
 
-def _local_logprobs(logits, target, *, return_entropy, **options) -> torch.Tensor:
-    """``core.token_logprobs`` of this rank's positions, ``[..., L]``; with ``return_entropy``
-    the log-probs and the entropy stacked as ``[2, ..., L]``, so one collective moves both."""
-    out = core.token_logprobs(logits, target, return_entropy=return_entropy, **options)
+def _local_logprobs(local_fn, target, *, temperature, return_entropy) -> torch.Tensor:
+    """``local_fn`` of this rank's positions, ``[..., L]``; with ``return_entropy`` the
+    log-probs and the entropy stacked as ``[2, ..., L]``, so one collective moves both."""
+    out = local_fn(target, temperature=temperature, return_entropy=return_entropy)
     return torch.stack(out) if return_entropy else out
 
 
@@ -233,21 +250,48 @@ def context_parallel_logprobs(
     the upstream gradients at its positions. With ``return_entropy``, returns
     ``(logprobs, entropy)``.
     """
-    _check_ids(logits, input_ids, chunk_size)
+    local_fn = _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index)
+    return _cp_logprobs(
+        local_fn,
+        logits,
+        input_ids,
+        cp_group=cp_group,
+        seq_index=seq_index,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        name="logits",
+    )
+
+
+def _cp_logprobs(
+    local_fn,
+    shard: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    cp_group: dist.ProcessGroup | None,
+    seq_index: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    return_entropy: bool,
+    name: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`context_parallel_logprobs` of this rank's ``shard`` ``[..., L, *]`` (its logits
+    or hidden states, ``name``), whose log-probs ``local_fn(target, *, temperature,
+    return_entropy)`` computes for this rank's targets ``[..., L]``."""
     size, rank = _size_rank(cp_group)
-    local_len, seq_len = logits.shape[-2], input_ids.shape[-1]
+    local_len, seq_len = shard.shape[-2], input_ids.shape[-1]
     padded_len = size * local_len
     if padded_len < seq_len:
         raise ValueError(
-            f"the logits hold {local_len} positions on each of {size} CP ranks ({padded_len} in "
+            f"the {name} hold {local_len} positions on each of {size} CP ranks ({padded_len} in "
             f"all), fewer than the {seq_len} positions of input_ids {tuple(input_ids.shape)}"
         )
     if seq_index is None:
-        _check_local_len(local_len, size, f"logits of shape {tuple(logits.shape)}")
-        positions = _positions(local_len, size, logits.device)
+        _check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")
+        positions = _positions(local_len, size, shard.device)
     else:
-        _check_seq_index(seq_index, padded_len, logits)
+        _check_seq_index(seq_index, padded_len, shard)
         positions = seq_index.view(size, local_len)
+
     def this_rank(per_position: torch.Tensor, fill: int) -> torch.Tensor:
         padded = F.pad(per_position, (0, padded_len - per_position.shape[-1]), value=fill)
         return padded.index_select(-1, positions[rank])
@@ -255,12 +299,8 @@ def context_parallel_logprobs(
     # NeMo's shift: position t scores token t + 1; the last position's target is dropped.
     # Padding positions score token 0 at temperature 1; their results are cut off below.
     result = _local_logprobs(
-        logits,
+        local_fn,
         this_rank(input_ids.roll(-1, -1), 0),
-        vocab_start=vocab_start,
-        group=group,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
         temperature=_local_temperature(
             temperature, input_ids[..., 1:].shape, lambda t: this_rank(t, 1)
         ),
@@ -272,21 +312,21 @@ def context_parallel_logprobs(
 
 
 def _check_packed(
-    logits: torch.Tensor,
+    shard: torch.Tensor,
     input_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     size: int,
+    name: str,
 ) -> None:
-    _check_ids(logits, input_ids, None)
-    if logits.dim() != 3 or logits.shape[0] != 1:
-        raise ValueError(f"packed logits must be [1, T / C, V_local], got {tuple(logits.shape)}")
-    if input_ids.shape[-1] != size * logits.shape[1]:
+    if shard.dim() != 3 or shard.shape[0] != 1:
+        raise ValueError(f"packed {name} must be [1, T / C, *], got {tuple(shard.shape)}")
+    if input_ids.shape[-1] != size * shard.shape[1]:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} must hold all T = {size} CP ranks x "
-            f"{logits.shape[1]} local positions = {size * logits.shape[1]} packed tokens"
+            f"{shard.shape[1]} local positions = {size * shard.shape[1]} packed tokens"
         )
-    _check_local_len(logits.shape[1], size, f"packed logits of shape {tuple(logits.shape)}")
+    _check_local_len(shard.shape[1], size, f"packed {name} of shape {tuple(shard.shape)}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (
         torch.int32,
         torch.int64,
@@ -298,9 +338,9 @@ def _check_packed(
             f"cu_seqlens_padded must be 1-D [B + 1] with B >= 1 (0, end of sequence 0, ...), "
             f"got shape {tuple(cu_seqlens.shape)}"
         )
-    if cu_seqlens.device != logits.device:
+    if cu_seqlens.device != shard.device:
         raise ValueError(
-            f"cu_seqlens_padded is on {cu_seqlens.device} but logits on {logits.device}"
+            f"cu_seqlens_padded is on {cu_seqlens.device} but {name} on {shard.device}"
         )
     if not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"unpacked_seqlen/max_seqlen must be a positive int, got {max_seqlen!r}")
@@ -359,29 +399,53 @@ def packed_context_parallel_logprobs(
     Within each sequence, position t scores token t + 1; the last position's (wrapped)
     target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
     """
+    local_fn = _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index)
+    return _packed_cp_logprobs(
+        local_fn,
+        logits,
+        input_ids,
+        cu_seqlens_padded,
+        max_seqlen=max_seqlen,
+        cp_group=cp_group,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        name="logits",
+    )
+
+
+def _packed_cp_logprobs(
+    local_fn,
+    shard: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    cp_group: dist.ProcessGroup | None,
+    temperature: float | torch.Tensor,
+    return_entropy: bool,
+    name: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`packed_context_parallel_logprobs` of this rank's ``shard`` ``[1, T / C, *]``
+    (``name``), whose log-probs ``local_fn`` computes as in :func:`_cp_logprobs`."""
     size, rank = _size_rank(cp_group)
-    _check_packed(logits, input_ids, cu_seqlens_padded, max_seqlen, size)
-    local_len, total = logits.shape[1], input_ids.shape[-1]
+    _check_packed(shard, input_ids, cu_seqlens_padded, max_seqlen, size, name)
+    local_len, total = shard.shape[1], input_ids.shape[-1]
     batch = cu_seqlens_padded.numel() - 1
     cu = cu_seqlens_padded.long()
     _assert_packing(cu, total, size)
 
-    local = torch.arange(local_len, device=logits.device)
+    local = torch.arange(local_len, device=shard.device)
     seq = torch.searchsorted(cu[1:] // size, local, right=True).clamp(max=batch - 1)
     start, end = cu[seq], cu[seq + 1]
-    ranks = torch.arange(size, device=logits.device).unsqueeze(-1)
+    ranks = torch.arange(size, device=shard.device).unsqueeze(-1)
     positions = _load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
     mine = positions[rank]
     next_pos = torch.where(mine + 1 < end, mine + 1, start)  # roll within each sequence
     # Output column of each local position; columns past the output get temperature 1.
     out_column = (mine - start).clamp(max=max_seqlen - 1)
     result = _local_logprobs(
-        logits,
+        local_fn,
         input_ids.index_select(-1, next_pos),
-        vocab_start=vocab_start,
-        group=group,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
         temperature=_local_temperature(
             temperature,
             (batch, max_seqlen - 1),
@@ -392,7 +456,7 @@ def packed_context_parallel_logprobs(
     group_name = None if size == 1 else cp_group.group_name
     packed = _gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
 
-    column = torch.arange(max_seqlen - 1, device=logits.device)
+    column = torch.arange(max_seqlen - 1, device=shard.device)
     source = (cu[:-1].unsqueeze(-1) + column).clamp(max=total - 1)  # [B, max_seqlen - 1]
     keep = column < (cu[1:] - cu[:-1] - 1).unsqueeze(-1)
     return _split(torch.where(keep, packed[..., source], 0.0), return_entropy)

@@ -6,6 +6,9 @@ weight instead, and walks the sequence in chunks: per chunk it computes the logi
 reduces it to per-row statistics and drops it; backward recomputes each tile and
 accumulates the gradients of the hidden states and the weight. No ``[B, S, V_local]``
 tensor exists in forward or backward; temporaries are ``O(B · chunk · V_local)``.
+:func:`lm_head_context_parallel_logprobs` and :func:`lm_head_packed_context_parallel_logprobs`
+do the same for context-parallel (and packed) hidden states, sharing the CP entry points'
+target shift, layouts and gather (:mod:`compiled_logprob.context_parallel`).
 
 Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden size,
 ``V`` the full vocabulary, ``V_local`` this rank's vocabulary slice
@@ -14,19 +17,24 @@ Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _lm_head_ops
+from compiled_logprob import _lm_head_ops, context_parallel
 from compiled_logprob.core import _group_name
 
-__all__ = ["lm_head_token_logprobs"]
+__all__ = [
+    "lm_head_context_parallel_logprobs",
+    "lm_head_packed_context_parallel_logprobs",
+    "lm_head_token_logprobs",
+]
 
 
-def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> None:
-    for name, tensor in (("hidden", hidden), ("weight", weight), ("target", target)):
+def _validate_hidden(hidden, weight) -> None:
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not hidden.is_floating_point() or hidden.dim() < 2:
@@ -44,6 +52,12 @@ def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> N
             f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, "
             f"{hidden.device}) must share dtype and device; cast one to the other"
         )
+
+
+def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> None:
+    _validate_hidden(hidden, weight)
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise TypeError(
             f"target must hold integer token ids, got dtype {target.dtype}; pass target.long()"
@@ -127,3 +141,119 @@ def lm_head_token_logprobs(
     if ignore_index is not None:
         outputs = [torch.where(target == ignore_index, 0.0, out) for out in outputs]
     return tuple(outputs) if return_entropy else outputs[0]
+
+
+def _hidden_logprobs(hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index):
+    """The validated hidden states' local log-prob computation ``fn(target, *, temperature,
+    return_entropy)``, for the context-parallel entry points."""
+    _validate_hidden(hidden, weight)
+    context_parallel._check_ids(hidden, input_ids, "hidden states")
+    return functools.partial(
+        lm_head_token_logprobs,
+        hidden,
+        weight,
+        vocab_start=vocab_start,
+        group=group,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+    )
+
+
+def lm_head_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    seq_index: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    ignore_index: int | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs from TP×CP-sharded hidden states, fp32 ``[..., S - 1]`` in natural order.
+
+    Eager equivalent: ``context_parallel_logprobs(hidden @ weight.T, input_ids, ...)`` without
+    ever materialising the ``[..., L, V_local]`` logits.
+
+    Args:
+        hidden: ``[..., L, H]``, this rank's part of the sequence's hidden states, laid out
+            exactly like the logits of :func:`~compiled_logprob.context_parallel_logprobs`
+            (the load-balanced CP shard, or ``seq_index``'s layout) and the same on every
+            rank of ``group``.
+        weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
+            ``hidden``'s dtype.
+        input_ids: ``[..., S]`` the full, unshifted token ids in natural order, ``S <= C * L``.
+        vocab_start, group, cp_group, seq_index, ignore_index, return_entropy: as in
+            :func:`~compiled_logprob.context_parallel_logprobs`.
+        chunk_size: as in :func:`lm_head_token_logprobs`.
+        temperature: a float (the logits are divided by it).
+
+    Backward: the hidden states' gradient is all-reduced over ``group`` (as in
+    :func:`lm_head_token_logprobs`) and, like the logits', is the sum over CP ranks of the
+    upstream gradients at this rank's positions; ``weight`` receives this rank's positions'
+    contribution only.
+    """
+    local_fn = _hidden_logprobs(
+        hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index
+    )
+    return context_parallel._cp_logprobs(
+        local_fn,
+        hidden,
+        input_ids,
+        cp_group=cp_group,
+        seq_index=seq_index,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        name="hidden states",
+    )
+
+
+def lm_head_packed_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    ignore_index: int | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs of a packed (THD) row from TP×CP-sharded hidden states, fp32 ``[B, max_seqlen - 1]``.
+
+    Eager equivalent: ``packed_context_parallel_logprobs(hidden @ weight.T, input_ids,
+    cu_seqlens_padded, max_seqlen=max_seqlen, ...)`` without ever materialising the logits.
+
+    Args:
+        hidden: ``[1, T / C, H]``, laid out like the logits of
+            :func:`~compiled_logprob.packed_context_parallel_logprobs` (every padded sequence
+            load-balanced-sharded on its own), the same on every rank of ``group``.
+        weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight.
+        input_ids, cu_seqlens_padded, max_seqlen, vocab_start, group, cp_group, ignore_index,
+            return_entropy: as in :func:`~compiled_logprob.packed_context_parallel_logprobs`.
+        chunk_size: as in :func:`lm_head_token_logprobs`.
+        temperature: a float.
+
+    Gradients as in :func:`lm_head_context_parallel_logprobs`.
+    """
+    local_fn = _hidden_logprobs(
+        hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index
+    )
+    return context_parallel._packed_cp_logprobs(
+        local_fn,
+        hidden,
+        input_ids,
+        cu_seqlens_padded,
+        max_seqlen=max_seqlen,
+        cp_group=cp_group,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        name="hidden states",
+    )

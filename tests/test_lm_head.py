@@ -14,10 +14,15 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from compiled_logprob import _lm_head_ops
-from compiled_logprob.lm_head import lm_head_token_logprobs
+from compiled_logprob.lm_head import (
+    lm_head_context_parallel_logprobs,
+    lm_head_packed_context_parallel_logprobs,
+    lm_head_token_logprobs,
+)
 from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logprobs, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -60,17 +65,21 @@ def _run(case: Case, rank: int, world: int, group, api=lm_head_token_logprobs) -
     lo, hi = vocab_bounds(case.vocab, world, rank)
     hidden = hidden.requires_grad_()
     weight = weight[lo:hi].clone().requires_grad_()
-    out = api(
-        hidden,
-        weight,
-        target,
-        vocab_start=lo,
-        group=group,
+    out = api(hidden, weight, target, group=group, **_options(case, lo))
+    return _backward(case, out, hidden, weight, up_lp, up_ent)
+
+
+def _options(case: Case, vocab_start: int) -> dict:
+    return dict(
+        vocab_start=vocab_start,
         chunk_size=case.chunk,
         ignore_index=IGNORE if case.ignore else None,
         temperature=case.temperature,
         return_entropy=case.entropy,
     )
+
+
+def _backward(case: Case, out, hidden, weight, up_lp, up_ent) -> dict[str, torch.Tensor]:
     lp, ent = out if case.entropy else (out, torch.zeros_like(out))
     ((lp.double() * up_lp).sum() + (ent.double() * up_ent).sum()).backward()
     return {"lp": lp.detach(), "ent": ent.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
@@ -82,12 +91,15 @@ def _worker_run(case: Case) -> dict[str, torch.Tensor]:
 
 
 def _oracle(case: Case) -> dict[str, torch.Tensor]:
+    return _oracle_of(case, *_inputs(case))
+
+
+def _oracle_of(case: Case, hidden, weight, target, up_lp, up_ent) -> dict[str, torch.Tensor]:
     """float64 outputs and gradients, plus the magnitudes the tolerances scale with."""
-    hidden, weight, target, up_lp, up_ent = _inputs(case)
     logits = (hidden @ weight.T).double().requires_grad_()
     z = logits / case.temperature
     ignored = target == IGNORE
-    lp = oracle_logprobs(z, target, IGNORE if case.ignore else None)
+    lp = oracle_logprobs(z, target, IGNORE)
     log_p = oracle_log_softmax(z)
     ent = torch.where(ignored, 0.0, -(log_p.exp() * log_p).sum(-1)) if case.entropy else 0 * lp
     ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
@@ -245,3 +257,116 @@ def test_bad_input(change, error, match):
     hidden, weight, target = args.pop("hidden"), args.pop("weight"), args.pop("target")
     with pytest.raises(error, match=match):
         lm_head_token_logprobs(hidden, weight, target, **args)
+
+
+# --- context parallelism: hidden states sharded like the logits of the CP entry points ---
+
+CP_GRIDS = [(1, 2), (2, 2)]  # (tp, cp)
+PACKED_LENS = (8, 12, 4)  # padded sequence lengths, multiples of 2 * cp
+CP_CASES = [
+    Case(seq=16),  # input_ids hold 15 of the 16 padded positions
+    Case(lead=(1,), seq=sum(PACKED_LENS), dtype="bf16", ignore=True, temperature=0.7, chunk=3),
+]
+_MESHES: dict[tuple[int, int], object] = {}
+
+
+def _ref_shard(x: torch.Tensor, rank: int, size: int, dim: int, lens=None) -> torch.Tensor:
+    """The load-balanced CP shard by chunk-and-concat, of each of the packed sequences
+    ``lens`` on its own (``None``: one sequence)."""
+    parts = [x] if lens is None else x.split(lens, dim)
+    shards = []
+    for part in parts:
+        chunks = part.chunk(2 * size, dim)
+        shards += [chunks[rank], chunks[2 * size - 1 - rank]]
+    return torch.cat(shards, dim)
+
+
+def _cp_upstream(case: Case, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    up = torch.randn(2, *shape, generator=torch.Generator().manual_seed(case.seed + 1), dtype=torch.float64)
+    return up[0], up[1]
+
+
+def _packed(case: Case) -> bool:
+    return case.seq == sum(PACKED_LENS)
+
+
+def _cu(device=None) -> torch.Tensor:
+    return torch.tensor([0, *PACKED_LENS], device=device).cumsum(0)
+
+
+def _worker_cp(case: Case, tp: int, cp: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (tp, cp) not in _MESHES:
+        _MESHES[tp, cp] = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    mesh = _MESHES[tp, cp]
+    tp_rank, cp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("cp")
+    hidden, weight, ids, _, _ = _inputs(case)
+    lo, hi = vocab_bounds(case.vocab, tp, tp_rank)
+    lens = PACKED_LENS if _packed(case) else None
+    hidden = _ref_shard(hidden, cp_rank, cp, -2, lens).requires_grad_()
+    weight = weight[lo:hi].clone().requires_grad_()
+    options = dict(_options(case, lo), group=mesh.get_group("tp"), cp_group=mesh.get_group("cp"))
+    with no_host_syncs():
+        if lens is None:
+            out = lm_head_context_parallel_logprobs(hidden, weight, ids[..., :-1], **options)
+        else:
+            out = lm_head_packed_context_parallel_logprobs(
+                hidden, weight, ids, _cu(), max_seqlen=max(PACKED_LENS), **options
+            )
+        shape = out[0].shape if case.entropy else out.shape
+        return _backward(case, out, hidden, weight, *_cp_upstream(case, shape))
+
+
+def _cp_oracle(case: Case, cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
+    """Forward: the float64 oracle of the full sequence in the output's layout. Gradients:
+    the oracle of this CP rank's positions under ``cp`` times the upstream (every rank's loss
+    is the same, and the CP gather's backward sums it over the CP ranks)."""
+    hidden, weight, ids, _, _ = _inputs(case)
+    lead, full_len = ids.shape[:-1], ids.shape[-1]
+    if _packed(case):
+        bounds = _cu().tolist()
+        out_len = max(PACKED_LENS) - 1
+        # Position p of sequence [a, b) scores ids[p + 1]; the last one scores nothing.
+        segments = [(a, b - a - 1) for a, b in zip(bounds, bounds[1:])]
+        lens = PACKED_LENS
+    else:
+        out_len = full_len - 2  # input_ids hold full_len - 1 tokens
+        segments, lens = [(0, out_len)], None
+    ignore = torch.full((*lead, full_len), IGNORE)
+    target, positions = ignore.clone(), []
+    for start, count in segments:
+        target[..., start : start + count] = ids[..., start + 1 : start + count + 1]
+        positions.append(torch.arange(start, start + count))
+    up_lp, up_ent = _cp_upstream(case, (*lead, len(segments), out_len) if lens else (*lead, out_len))
+
+    def to_full(per_output: torch.Tensor) -> torch.Tensor:
+        rows = per_output.unsqueeze(-2) if lens is None else per_output
+        full = torch.zeros(*lead, full_len, dtype=per_output.dtype)
+        for row, (start, count) in zip(rows.unbind(-2), segments):
+            full[..., start : start + count] = row[..., :count]
+        return full
+
+    def to_output(full: torch.Tensor) -> torch.Tensor:
+        rows = [F.pad(full[..., pos], (0, out_len - len(pos))) for pos in positions]
+        return rows[0] if lens is None else torch.stack(rows, -2)[0]
+
+    whole = _oracle_of(case, hidden, weight, target, to_full(up_lp), to_full(up_ent))
+    mine = _oracle_of(
+        case,
+        _ref_shard(hidden, cp_rank, cp, -2, lens),
+        weight,
+        _ref_shard(target, cp_rank, cp, -1, lens),
+        cp * _ref_shard(to_full(up_lp), cp_rank, cp, -1, lens),
+        cp * _ref_shard(to_full(up_ent), cp_rank, cp, -1, lens),
+    )
+    return dict(mine, lp=to_output(whole["lp"]), ent=to_output(whole["ent"]), zmax=whole["zmax"])
+
+
+@pytest.mark.parametrize("grid", CP_GRIDS, ids=str)
+@pytest.mark.parametrize("case", CP_CASES, ids=str)
+def test_context_parallel_matches_oracle(gloo_pool, grid, case):
+    tp, cp = grid
+    for rank, got in enumerate(gloo_pool(tp * cp).run(_worker_cp, case, tp, cp)):
+        tp_rank, cp_rank = rank % tp, rank // tp
+        _check(case, got, _cp_oracle(case, cp, cp_rank), tp_rank, tp)
