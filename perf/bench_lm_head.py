@@ -25,16 +25,9 @@ import sys
 import time
 
 import torch
+from harness import reset_peak_rss, rss_kib
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lm_head.md")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _step(method: str, hidden, weight, target, chunk: int | None) -> None:
@@ -58,14 +51,13 @@ def measure(method: str, batch: int, seq: int, hidden_size: int, vocab: int, chu
     for step in range(steps):
         hidden.grad = weight.grad = None
         if step == 0:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # reset the peak RSS to the current RSS
-            baseline = _rss_kib("VmRSS")
+            reset_peak_rss()
+            baseline = rss_kib("VmRSS")
         start = time.perf_counter()
         _step(method, hidden, weight, target, chunk)
         times.append(time.perf_counter() - start)
         if step == 0:
-            peak = _rss_kib("VmHWM") - baseline
+            peak = rss_kib("VmHWM") - baseline
     return {"peak_mib": peak / 1024, "time_s": statistics.median(times)}
 
 

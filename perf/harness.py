@@ -221,7 +221,7 @@ def tp_worker(cases: list[dict], repeats: int, methods=METHODS) -> list[dict[str
 # resetting the peak before each measured call.
 
 
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):
@@ -229,7 +229,7 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0).
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -251,10 +251,10 @@ def peak_extra_bytes(case: Case, method: str, device: str, compiled_cache: dict)
         peak = torch.cuda.max_memory_allocated()
         del out
         return peak - base
-    _reset_peak_rss()
-    base = _rss_kib("VmRSS")
+    reset_peak_rss()
+    base = rss_kib("VmRSS")
     out = step()
-    peak = _rss_kib("VmHWM")
+    peak = rss_kib("VmHWM")
     del out
     return (peak - base) * 1024
 
