@@ -9,6 +9,7 @@ plus the rounding of the gradients' matmuls in the inputs' dtype (see ``_check``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -294,12 +295,23 @@ def _cu(device=None) -> torch.Tensor:
     return torch.tensor([0, *PACKED_LENS], device=device).cumsum(0)
 
 
-def _worker_cp(case: Case, tp: int, cp: int) -> dict[str, torch.Tensor]:
+def _mesh(tp: int, cp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     if (tp, cp) not in _MESHES:
         _MESHES[tp, cp] = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
-    mesh = _MESHES[tp, cp]
+    return _MESHES[tp, cp]
+
+
+def _worker_cp(
+    case: Case,
+    tp: int,
+    cp: int,
+    plain=lm_head_context_parallel_logprobs,
+    packed=lm_head_packed_context_parallel_logprobs,
+    check_syncs: bool = True,
+) -> dict[str, torch.Tensor]:
+    mesh = _mesh(tp, cp)
     tp_rank, cp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("cp")
     hidden, weight, ids, _, _ = _inputs(case)
     lo, hi = vocab_bounds(case.vocab, tp, tp_rank)
@@ -307,13 +319,11 @@ def _worker_cp(case: Case, tp: int, cp: int) -> dict[str, torch.Tensor]:
     hidden = _ref_shard(hidden, cp_rank, cp, -2, lens).requires_grad_()
     weight = weight[lo:hi].clone().requires_grad_()
     options = dict(_options(case, lo), group=mesh.get_group("tp"), cp_group=mesh.get_group("cp"))
-    with no_host_syncs():
+    with no_host_syncs() if check_syncs else contextlib.nullcontext():
         if lens is None:
-            out = lm_head_context_parallel_logprobs(hidden, weight, ids[..., :-1], **options)
+            out = plain(hidden, weight, ids[..., :-1], **options)
         else:
-            out = lm_head_packed_context_parallel_logprobs(
-                hidden, weight, ids, _cu(), max_seqlen=max(PACKED_LENS), **options
-            )
+            out = packed(hidden, weight, ids, _cu(), max_seqlen=max(PACKED_LENS), **options)
         shape = out[0].shape if case.entropy else out.shape
         return _backward(case, out, hidden, weight, *_cp_upstream(case, shape))
 
@@ -370,3 +380,24 @@ def test_context_parallel_matches_oracle(gloo_pool, grid, case):
     for rank, got in enumerate(gloo_pool(tp * cp).run(_worker_cp, case, tp, cp)):
         tp_rank, cp_rank = rank % tp, rank // tp
         _check(case, got, _cp_oracle(case, cp, cp_rank), tp_rank, tp)
+
+
+def _worker_cp_compiled(seqs: tuple[int, ...]) -> int:
+    """Both CP entry points compiled whole (fullgraph) equal eager, forward and backward, at
+    several padded lengths (and the packed row); returns the number of graphs compiled."""
+    torch._dynamo.reset()
+    plain = torch.compile(lm_head_context_parallel_logprobs, fullgraph=True)
+    packed = torch.compile(lm_head_packed_context_parallel_logprobs, fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for case in [dataclasses.replace(CP_CASES[0], seq=seq) for seq in seqs] + CP_CASES[1:]:
+        want = _worker_cp(case, 1, 2)
+        got = _worker_cp(case, 1, 2, plain, packed, check_syncs=False)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"{name} at S={case.seq}")
+    return counters["stats"]["unique_graphs"] - before
+
+
+def test_context_parallel_compiled_matches_eager_without_recompiles(gloo_pool):
+    graphs = gloo_pool(2).run(_worker_cp_compiled, (16, 20, 28, 36))
+    # At most two graphs for the plain entry point's four lengths, one for the packed row.
+    assert all(count <= 3 for count in graphs), graphs
