@@ -139,10 +139,7 @@ def gather_context_parallel(
 
 def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None:
     """``input_ids`` against ``tensor`` ``[..., L, *]``, this rank's (validated) ``name``."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    core._validate_token_ids(input_ids, "input_ids")
     if input_ids.dim() != tensor.dim() - 1 or input_ids.shape[:-1] != tensor.shape[:-2]:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} must be [..., S] with the leading shape of the "

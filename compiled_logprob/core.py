@@ -81,16 +81,21 @@ def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
+def _validate_token_ids(ids: torch.Tensor, name: str) -> None:
+    """``ids`` must be an int64/int32 tensor: gather and index_select take nothing else."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"{name} must hold integer token ids (int64 or int32), got dtype {ids.dtype}; "
+            f"pass {name}.long()"
+        )
+
+
 def _validate_target(
     logits: torch.Tensor, target: torch.Tensor, vocab_start: int, ignore_index: int | None
 ) -> None:
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(
-            f"target must hold int64 (or int32) token ids, got dtype {target.dtype}; "
-            "pass target.long()"
-        )
+    _validate_token_ids(target, "target")
     positions = logits.shape[:-1]
     if target.shape != positions and not (
         target.dim() == logits.dim() and target.shape[:-1] == positions

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from compiled_logprob import _lm_head_ops, context_parallel
-from compiled_logprob.core import _group_name
+from compiled_logprob import core
 
 __all__ = [
     "lm_head_context_parallel_logprobs",
@@ -56,12 +56,7 @@ def _validate_hidden(hidden, weight) -> None:
 
 def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> None:
     _validate_hidden(hidden, weight)
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(
-            f"target must hold integer token ids, got dtype {target.dtype}; pass target.long()"
-        )
+    core._validate_token_ids(target, "target")
     if target.shape != hidden.shape[:-1] or target.device != hidden.device:
         raise ValueError(
             f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
@@ -129,7 +124,7 @@ def lm_head_token_logprobs(
         weight,
         target.reshape(-1, target.shape[-1]),
         vocab_start=vocab_start,
-        group_name=_group_name(group),
+        group_name=core._group_name(group),
         ignore_index=ignore_index,
         temperature=float(temperature),
         chunk_size=chunk_size,
