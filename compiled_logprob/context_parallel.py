@@ -85,10 +85,13 @@ def _gather_to_positions(
     ``positions[r, q]``. ``group_name=None``: this rank's ``tensor`` is all there is."""
     gathered = tensor.movedim(dim, 0)
     if group_name is not None:
-        # Built-in backward: one reduce-scatter (sum) of the gradient, which index_copy's
+        # Built-in backward: one reduce-scatter (sum) of the gradient, which index_select's
         # backward has put back in gathered order.
         gathered = funcol.all_gather_single(gathered.contiguous(), 0, group_name)
-    placed = torch.zeros_like(gathered).index_copy(0, positions.flatten(), gathered)
+    # ``positions`` is a permutation: read through its inverse. (Writing through it with
+    # index_copy into a zero-filled buffer let Inductor, torch 2.13, schedule a fused read
+    # of that buffer before the scatter into it.)
+    placed = gathered.index_select(0, torch.argsort(positions.flatten()))
     return placed.movedim(0, dim)
 
 
