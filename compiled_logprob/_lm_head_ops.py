@@ -3,7 +3,7 @@
 * ``compiled_logprob::lm_head_stats(hidden, weight, target, *, vocab_start, group_name,
   ignore_index, temperature, chunk_size, with_entropy) -> (lse, target_logit, mean_logit)``:
   per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``, its per-row
-  statistics and the target's logit; one all-gather of the ``[K, B, S]`` statistics of the
+  statistics and the target's logit; one all-gather of the ``[B, S, F]`` statistics of the
   whole call over the TP group. ``mean_logit`` is ``E_softmax[z]`` (for the entropy
   ``lse − E[z]``) when ``with_entropy``, else 0. All fp32 ``[B, S]``.
 * ``compiled_logprob::lm_head_stats_backward``: recomputes each tile, forms its gradient with
@@ -16,7 +16,7 @@ into the graph and no ``[B, S, V_local]`` tensor exists anywhere: temporaries ar
 ``O(B · chunk · V_local)`` fp32.
 
 Shape legend: ``B`` batch, ``S`` sequence, ``H`` hidden size, ``V_local`` this rank's
-vocabulary slice, ``R`` ranks of the vocab-parallel group, ``K`` statistics per row.
+vocabulary slice, ``R`` ranks of the vocab-parallel group, ``F`` statistics per row.
 """
 
 from __future__ import annotations
@@ -44,14 +44,6 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``[B, c, V_local]`` tile ``hidden @ weight.T`` in the inputs' dtype, as the logits path
     computes its logits; the temperature and everything after it run in fp32 in ``_math``."""
     return hidden @ weight.T
-
-
-def _all_gather(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
-    """``[F, B, S]`` of every rank as ``[R, F, B, S]``."""
-    if group_name is None:
-        return stats.unsqueeze(0)
-    gathered = funcol.all_gather_single(stats, 0, group_name)
-    return gathered.unflatten(0, (-1, stats.shape[0]))
 
 
 def _temperature(hidden: torch.Tensor, temperature: float) -> torch.Tensor | None:
@@ -82,10 +74,11 @@ def lm_head_stats(
             vocab_start,
             temperature=None if scale is None else scale[:, rows],
             with_entropy=with_entropy,
+            eager=True,
         )
         for rows in _chunks(hidden, weight, chunk_size)
     ]
-    gathered = _all_gather(torch.cat(stats, dim=-1), group_name)
+    gathered = _math.gather_stats(torch.cat(stats, dim=1), group_name)
     lse, target_logit, mean_logit = _math.combine_stats(
         gathered, targets, ignore_index, with_entropy=with_entropy
     )
@@ -142,7 +135,8 @@ def lm_head_stats_backward(
             temperature=None if scale is None else scale[:, rows],
             grad_mean_logit=None if grad_mean_logit is None else grad_mean_logit[:, rows],
             mean_logit=mean_logit[:, rows],
-        )
+            eager=True,
+        ).to(hidden.dtype)
         grad_hidden[:, rows] = grad @ weight
         _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1))
     if group_name is not None:

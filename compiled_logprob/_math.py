@@ -9,13 +9,21 @@ Shape legend: ``B`` batch, ``S`` sequence, ``V_local`` this rank's vocabulary sl
 per row. The scaled logits are ``z = logits / temperature`` (``temperature`` ``[B, S]`` or
 ``None`` for 1); everything below is over ``z``, in fp32.
 
-Statistics of one shard, stacked as ``[F, B, S]`` so one all-gather moves them all:
-``[lse, entropy (with entropy), target_logit × K, owned × K]``.
+Statistics of one shard, ``[B, S, F]``, are raw sums, so that one loop over the logits
+produces them all and the logs and divisions wait until after the exchange:
+``[max, Σ exp(z − max), Σ exp(z − max)·(z − max) (with entropy), target_logit × K,
+owned × K]``. The statistics are the last dimension because Inductor's CPU code
+generator keeps a per-row epilogue in the reductions' loop only when it walks the rows
+one at a time; ``[F, B, S]`` made it vectorise the epilogue across rows and split the
+kernel into one pass over the logits per reduction.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed._functional_collectives as funcol
 
 OWNERSHIP_ERROR = (
     "compiled_logprob: a target id is not owned by exactly one vocabulary shard: it is "
@@ -24,15 +32,35 @@ OWNERSHIP_ERROR = (
     "log-prob of 0 and no gradient there), and give each rank its own shard bounds."
 )
 
+_INF = float("inf")
+_LN_2 = math.log(2.0)
+_LOG2_E = 1.0 / _LN_2
+
 
 def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``z = logits / temperature``, ``[B, S, V_local]``."""
+    """fp32 ``z = logits / temperature``, ``[B, S, V_local]``; may alias ``logits``."""
     z = logits.float()
     return z if temperature is None else z / temperature.unsqueeze(-1)
 
 
+def _finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
+    # torch.logsumexp's convention: shifting by 0 where the max is infinite makes an
+    # all -inf row sum to 0 (lse -inf) and keeps a +inf logit +inf, instead of NaN.
+    return torch.where(row_max.abs() == _INF, 0.0, row_max)
+
+
+def _exp(x: torch.Tensor, eager: bool) -> torch.Tensor:
+    """``exp(x)`` of a fresh temporary ``x``, as ``exp2(x · log2 e)``.
+
+    Inductor's CPU kernels (Sleef) take markedly fewer cycles for exp2 than for exp, and
+    these loops are compute-bound; on GPUs exp2 is the native instruction. Rounding
+    ``x · log2 e`` costs ≤ 6e-8·|x| relative: ≤ 1e-6 on the terms that carry the mass.
+    """
+    return _inplace(eager, _inplace(eager, x, "mul", _LOG2_E), "exp2")
+
+
 def _mixture_entropy(
-    log_weights: torch.Tensor, entropies: torch.Tensor | float, dim: int
+    log_weights: torch.Tensor, entropies: torch.Tensor, dim: int
 ) -> torch.Tensor:
     """Entropy ``Σ_i w_i · (H_i − log w_i)`` of a mixture of disjoint distributions with
     weights ``w = exp(log_weights)`` (summing to 1 along ``dim``) and entropies ``H``.
@@ -52,28 +80,43 @@ def local_stats(
     *,
     temperature: torch.Tensor | None = None,
     with_entropy: bool = False,
+    eager: bool = False,
 ) -> torch.Tensor:
-    """This shard's statistics, fp32 ``[F, B, S]`` (layout in the module docstring).
+    """This shard's raw statistics, fp32 ``[B, S, F]`` (layout in the module docstring).
 
-    ``lse`` and ``entropy`` (of this shard's own softmax) are over this shard; ``target_logit`` is ``z`` at the target where this shard owns it (0 elsewhere),
-    and ``owned`` is 1.0 there. ``logits`` ``[B, S, V_local]``, ``target`` ``[B, S, K]``
-    global vocabulary ids.
+    ``target_logit`` is ``z`` at the target where this shard owns it (0 elsewhere), and
+    ``owned`` is 1.0 there. ``logits`` ``[B, S, V_local]``, ``target`` ``[B, S, K]`` global
+    vocabulary ids. ``eager`` (op-by-op calls) updates fresh temporaries in place; traced
+    for Inductor the code must stay functional.
     """
     z = scaled_logits(logits, temperature)
-    lse = torch.logsumexp(z, dim=-1)
-    stats = [lse.unsqueeze(0)]
+    row_max = z.amax(-1, keepdim=True)
+    # In base 2 (exp2(c · log2 e) = exp(c), see _exp) until the sums are taken.
+    centred = _inplace(eager, z - _finite_or_zero(row_max), "mul", _LOG2_E)
     if with_entropy:
-        # One token is a distribution of entropy 0: the shard's entropy is their mixture's.
-        stats.append(_mixture_entropy(z - lse.unsqueeze(-1), 0.0, -1).unsqueeze(0))
+        # Clamping -inf (vocabulary padding) to the lowest float keeps 2^c·c at 0, not NaN.
+        centred = _inplace(eager, centred, "clamp", min=torch.finfo(torch.float32).min)
+        exps = centred.exp2()
+        weighted = _inplace(eager, centred, "mul", exps).sum(-1, keepdim=True)
+        stats = [row_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
+    else:
+        stats = [row_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
     if target is not None:
         local_target = target - vocab_start
         owned = (local_target >= 0) & (local_target < logits.shape[-1])
         picked = logits.gather(-1, torch.where(owned, local_target, 0)).float()
         if temperature is not None:
             picked = picked / temperature.unsqueeze(-1)
-        stats.append(torch.where(owned, picked, 0.0).movedim(-1, 0))
-        stats.append(owned.float().movedim(-1, 0))
-    return torch.cat(stats)
+        stats += [torch.where(owned, picked, 0.0), owned.float()]
+    return torch.cat(stats, dim=-1)
+
+
+def gather_stats(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    """Every rank's ``[B, S, F]`` statistics as ``[R, B, S, F]``: the one collective."""
+    if group_name is None:
+        return stats.unsqueeze(0)
+    gathered = funcol.all_gather_single(stats, 0, group_name)
+    return gathered.unflatten(0, (-1, stats.shape[0]))
 
 
 def combine_stats(
@@ -83,26 +126,34 @@ def combine_stats(
     *,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge the ranks' statistics ``[R, F, B, S]`` into ``(lse, target_logit, mean_logit)``.
+    """Merge the ranks' statistics ``[R, B, S, F]`` into ``(lse, target_logit, mean_logit)``.
 
     ``lse`` ``[B, S]``; ``target_logit`` ``[B, S, K]`` (0 where the target is ignored;
     ``K = 0`` without a target); ``mean_logit`` ``[B, S]`` is ``E_softmax[z]`` over the full
     vocabulary with entropy, else 0. Asserts, without a host sync, that every non-ignored
     target is owned by exactly one rank.
     """
-    local_lse = gathered[:, 0]
-    lse = torch.logsumexp(local_lse, dim=0)
+    row_max, sum_exp = gathered[..., 0], gathered[..., 1]
+    top = _finite_or_zero(row_max.amax(0))
+    # Each shard summed exp(z − its own max); rescale to the common max. A -inf shard's
+    # factor is exp(-inf) = 0, whatever the shift it summed with.
+    shard_mass = sum_exp * torch.exp(row_max - top)
+    total = shard_mass.sum(0)
+    lse = torch.log(total) + top
     if with_entropy:
-        # The full softmax is the mixture of the shards' with weights exp(lse_r − lse).
-        mean_logit = lse - _mixture_entropy(local_lse - lse, gathered[:, 1], 0)
+        # The full softmax is the mixture of the shards' softmaxes, with weights
+        # shard_mass / total; a shard's entropy is log Σe − Σe·c / Σe (c = z − max ≤ 0).
+        shard_entropy = torch.log(sum_exp) - gathered[..., 2] / sum_exp
+        log_weights = torch.log(shard_mass) - torch.log(total)
+        mean_logit = lse - _mixture_entropy(log_weights, shard_entropy, 0)
     else:
         mean_logit = torch.zeros_like(lse)
     if target is None:
         return lse, lse.new_zeros(*lse.shape, 0), mean_logit
     k = target.shape[-1]
-    first = 2 if with_entropy else 1
-    target_logit = gathered[:, first : first + k].sum(0).movedim(0, -1)
-    owned_once = gathered[:, first + k : first + 2 * k].sum(0).movedim(0, -1) == 1
+    first = 3 if with_entropy else 2
+    target_logit = gathered[..., first : first + k].sum(0)
+    owned_once = gathered[..., first + k : first + 2 * k].sum(0) == 1
     if ignore_index is not None:
         ignored = target == ignore_index
         owned_once = owned_once | ignored
@@ -123,31 +174,51 @@ def grad_logits(
     temperature: torch.Tensor | None = None,
     grad_mean_logit: torch.Tensor | None = None,
     mean_logit: torch.Tensor | None = None,
+    eager: bool = False,
 ) -> torch.Tensor:
     """``d(lse, target_logit, mean_logit)/d logits`` applied to the incoming gradients,
-    in the logits' dtype, formed in fp32 and rounded once.
+    fp32 ``[B, S, V_local]`` (the caller rounds it once to the logits' dtype).
 
     With ``p = softmax(z)``: ``d lse/dz = p``, ``d target_logit_k/dz = onehot(target_k)``,
     ``d E_p[z]/dz = p · (1 + z − E_p[z])``, and ``dz/d logits = 1 / temperature``. For a
     token log-prob (``g_lse = −g``, ``g_target = g``) this is ``g · (onehot − p)``. Rows whose
     targets are all ignored get exactly 0, whatever their logits hold.
+
+    ``eager`` (op-by-op calls on a block) updates the block in place and scatters the K
+    one-hot terms; traced for Inductor, one compare per id keeps it one functional
+    elementwise pass.
     """
     z = scaled_logits(logits, temperature)
-    probs = torch.exp(z - lse.unsqueeze(-1))
+    grad = _exp(z - lse.unsqueeze(-1), eager)
     if grad_mean_logit is None:
-        grad = grad_lse.unsqueeze(-1) * probs
+        grad = _inplace(eager, grad, "mul", grad_lse.unsqueeze(-1))
     else:
         # Centre z before scaling: g_lse + g_E·(1 + z − E) keeps its precision where z ≈ E.
         centred = z - mean_logit.unsqueeze(-1)
         weight = grad_lse.unsqueeze(-1) + grad_mean_logit.unsqueeze(-1) * (1.0 + centred)
-        grad = torch.where(probs > 0, probs * weight, 0.0)
+        grad = torch.where(grad > 0, grad * weight, 0.0)
     if target is not None:
-        vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
-        is_target = vocab_ids == (target - vocab_start).unsqueeze(-1)  # [B, S, K, V_local]
-        grad = grad + torch.where(is_target, grad_target_logit.unsqueeze(-1), 0.0).sum(-2)
+        local_target = target - vocab_start
+        owned = (local_target >= 0) & (local_target < logits.shape[-1])
+        if ignore_index is not None:
+            owned = owned & (target != ignore_index)
+        grad_target = torch.where(owned, grad_target_logit, 0.0)
+        if eager:
+            grad = grad.scatter_add_(-1, torch.where(owned, local_target, 0), grad_target)
+        else:
+            vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+            for k in range(target.shape[-1]):
+                is_target = vocab_ids == local_target[..., k : k + 1]
+                grad = grad + torch.where(is_target, grad_target[..., k : k + 1], 0.0)
         if ignore_index is not None:
             all_ignored = (target == ignore_index).all(-1, keepdim=True)
-            grad = torch.where(all_ignored, 0.0, grad)
+            grad = _inplace(eager, grad, "masked_fill", all_ignored, 0.0)
     if temperature is not None:
-        grad = grad / temperature.unsqueeze(-1)
-    return grad.to(logits.dtype)
+        grad = _inplace(eager, grad, "div", temperature.unsqueeze(-1))
+    return grad
+
+
+def _inplace(eager: bool, tensor: torch.Tensor, method: str, *args, **kwargs) -> torch.Tensor:
+    """``tensor.method_(...)`` eagerly (``tensor`` must be a fresh temporary), else the
+    functional ``tensor.method(...)`` that tracing for Inductor requires."""
+    return getattr(tensor, method + "_" if eager else method)(*args, **kwargs)

@@ -21,7 +21,6 @@ so its Python loop over chunks is never unrolled into the graph.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch._inductor.decomposition import register_decomposition
 
 from compiled_logprob import _math
@@ -50,26 +49,27 @@ def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 
 def _gather_and_combine(stats, target, group_name, ignore_index, with_entropy):
-    if group_name is None:
-        gathered = stats.unsqueeze(0)
-    else:
-        gathered = funcol.all_gather_single(stats, 0, group_name)
-        gathered = gathered.unflatten(0, (-1, stats.shape[0]))
+    gathered = _math.gather_stats(stats, group_name)
     return _math.combine_stats(gathered, target, ignore_index, with_entropy=with_entropy)
 
 
-def _local_stats(logits, target, temperature, rows, vocab_start, with_entropy):
+def _local_stats(logits, target, temperature, rows, vocab_start, with_entropy, eager):
     return _math.local_stats(
         logits[:, rows],
         _rows(target, rows),
         vocab_start,
         temperature=_rows(temperature, rows),
         with_entropy=with_entropy,
+        eager=eager,
     )
 
 
-def _stats_whole(logits, target, temperature, vocab_start, group_name, ignore_index, with_entropy):
-    stats = _local_stats(logits, target, temperature, slice(None), vocab_start, with_entropy)
+def _stats_whole(
+    logits, target, temperature, vocab_start, group_name, ignore_index, with_entropy, eager
+):
+    stats = _local_stats(
+        logits, target, temperature, slice(None), vocab_start, with_entropy, eager
+    )
     return _gather_and_combine(stats, target, group_name, ignore_index, with_entropy)
 
 
@@ -86,11 +86,11 @@ def vocab_parallel_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, seq_len, vocab = logits.shape
     stats = [
-        _local_stats(logits, target, temperature, rows, vocab_start, with_entropy)
+        _local_stats(logits, target, temperature, rows, vocab_start, with_entropy, True)
         for rows in _seq_blocks(seq_len, _block_len(batch, seq_len, vocab))
     ]
     return _gather_and_combine(
-        torch.cat(stats, dim=-1), target, group_name, ignore_index, with_entropy
+        torch.cat(stats, dim=1), target, group_name, ignore_index, with_entropy
     )
 
 
@@ -116,6 +116,7 @@ def vocab_parallel_stats_chunked(
             group_name,
             ignore_index,
             with_entropy,
+            eager=True,
         )
         for rows in _seq_blocks(logits.shape[1], chunk_size)
     ]
@@ -160,6 +161,7 @@ def vocab_parallel_stats_backward(
             temperature=_rows(temperature, rows),
             grad_mean_logit=_rows(grad_mean_logit, rows),
             mean_logit=mean_logit[:, rows],
+            eager=True,
         )
     return grad
 
@@ -202,7 +204,8 @@ vocab_parallel_stats_chunked.register_autograd(_backward, setup_context=_setup_c
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats.default)
 def _decompose_stats(logits, target, temperature, *, vocab_start, group_name, ignore_index, with_entropy):
     return _stats_whole(
-        logits, target, temperature, vocab_start, group_name, ignore_index, with_entropy
+        logits, target, temperature, vocab_start, group_name, ignore_index, with_entropy,
+        eager=False,
     )
 
 
@@ -231,4 +234,4 @@ def _decompose_backward(
         temperature=temperature,
         grad_mean_logit=grad_mean_logit,
         mean_logit=mean_logit,
-    )
+    ).to(logits.dtype)
