@@ -25,7 +25,6 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from compiled_logprob import _math
-from compiled_logprob._ops import _seq_blocks
 
 # Default chunk: positions such that one fp32 logits tile holds about this many elements
 # (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
@@ -37,7 +36,8 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) 
     batch, seq_len, _ = hidden.shape
     if chunk_size is None:
         chunk_size = max(1, TILE_ELEMENTS // max(1, batch * weight.shape[0]))
-    return _seq_blocks(seq_len, chunk_size)
+    # At least one (possibly empty) chunk: an empty sequence still joins the collective.
+    return [slice(s, s + chunk_size) for s in range(0, max(seq_len, 1), chunk_size)]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -33,13 +33,19 @@ OWNERSHIP_ERROR = (
 )
 
 _INF = float("inf")
+_PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 _LN_2 = math.log(2.0)
 _LOG2_E = 1.0 / _LN_2
 
 
 def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``z = logits / temperature``, ``[B, S, V_local]``; may alias ``logits``."""
-    z = logits.float()
+    """``z = logits / temperature``, ``[B, S, V_local]``, computed in fp32.
+
+    Without a temperature, 16- and 32-bit logits are returned as they are: every use
+    combines them with an fp32 tensor, which promotes them exactly, so no fp32 copy of a
+    block is made.
+    """
+    z = logits if logits.dtype in _PROMOTE_TO_FP32 else logits.float()
     return z if temperature is None else z / temperature.unsqueeze(-1)
 
 
@@ -90,7 +96,7 @@ def local_stats(
     for Inductor the code must stay functional.
     """
     z = scaled_logits(logits, temperature)
-    row_max = z.amax(-1, keepdim=True)
+    row_max = z.amax(-1, keepdim=True).float()
     # In base 2 (exp2(c · log2 e) = exp(c), see _exp) until the sums are taken.
     centred = _inplace(eager, z - _finite_or_zero(row_max), "mul", _LOG2_E)
     if with_entropy:

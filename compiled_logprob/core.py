@@ -167,18 +167,14 @@ def _stats(
         None if target is None else _as_batch(target, 2),
         _temperature_rows(temperature, rows_shape, logits.device),
     )
-    options = dict(
+    lse, target_logit, mean_logit = _ops.vocab_parallel_stats(
+        *args,
         vocab_start=vocab_start,
         group_name=_group_name(group),
         ignore_index=ignore_index,
         with_entropy=with_entropy,
+        chunk_size=chunk_size,
     )
-    if chunk_size is None:
-        lse, target_logit, mean_logit = _ops.vocab_parallel_stats(*args, **options)
-    else:
-        lse, target_logit, mean_logit = _ops.vocab_parallel_stats_chunked(
-            *args, **options, chunk_size=chunk_size
-        )
     return (
         lse.view(rows_shape),
         target_logit.view(*rows_shape, target_logit.shape[-1]),
@@ -209,8 +205,9 @@ def token_logprobs(
         vocab_start: first global vocabulary id of this rank's shard.
         group: the vocab-parallel (tensor-parallel) group; ``None`` or a group of size 1 means
             the vocabulary is not sharded.
-        chunk_size: process the sequence in chunks of this many positions (one collective per
-            chunk), so that no temporary exceeds ``O(B * chunk_size * V_local)`` even in eager.
+        chunk_size: process at most this many positions at a time, so that no eager
+            temporary exceeds ``O(B * chunk_size * V_local)`` (compiled, the fused pass keeps
+            no such temporary at all). Still one collective per call.
         ignore_index: targets equal to it get log-prob 0 and no gradient.
         temperature: the softmax is over ``logits / temperature``: a float, or a tensor that
             broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row). The scaled logits are

@@ -132,12 +132,6 @@ ENTRY_POINTS = {
         _compute_distributed_log_softmax,
     )
 }
-CHUNKED = {
-    "token_logprobs_chunked_ignore",
-    "logsumexp_chunked",
-    "chunked_distributed_logprob",
-    "entropy_chunked_row_temperature",
-}
 # A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
 SHARDED_OUTPUT = {"log_softmax", "compute_distributed_log_softmax"}
 
@@ -376,15 +370,18 @@ def _op_inputs(seq_len: int = 5, vocab: int = 7) -> tuple[torch.Tensor, torch.Te
     return logits, target
 
 
-def _stats_cases(**extra):
+def _stats_cases():
     """Cases ``(args, kwargs)`` for a forward stats op; ``"fake"`` marks the fake group."""
     logits, target = _op_inputs()
     targets = target.unsqueeze(-1)
     two_targets = torch.cat([targets, targets.clamp(min=0).flip(1)], dim=-1)
     all_ignored = torch.full_like(targets, IGNORE)  # the fake group duplicates rows: no owner
     temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
-    options = dict(vocab_start=0, group_name=None, ignore_index=None, with_entropy=False, **extra)
+    options = dict(
+        vocab_start=0, group_name=None, ignore_index=None, with_entropy=False, chunk_size=None
+    )
     entropy = {**options, "with_entropy": True}
+    chunked = {**options, "chunk_size": 2}
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         leaf = logits.to(dtype).requires_grad_()
@@ -392,6 +389,8 @@ def _stats_cases(**extra):
             ((leaf, targets, None), options),
             ((leaf, None, None), options),
             ((leaf, targets, None), {**options, "ignore_index": IGNORE}),
+            ((leaf, targets, None), chunked),
+            ((leaf, two_targets, temperature), {**chunked, "with_entropy": True}),
             ((leaf, two_targets, temperature), {**entropy, "ignore_index": IGNORE}),
             ((leaf, None, temperature), entropy),
             ((leaf, all_ignored, None), {**entropy, "group_name": "fake", "ignore_index": IGNORE}),
@@ -419,21 +418,18 @@ def _backward_cases():
             grads = (grad_lse, grad_target_logit[..., :k], grad_mean)
             return (*grads, z, target, temp, lse, mean_logit)
 
+        options = dict(vocab_start=0, ignore_index=None, chunk_size=None)
         cases += [
-            (args(targets, None, None), dict(vocab_start=0, ignore_index=None)),
-            (args(targets, None, None), dict(vocab_start=2, ignore_index=IGNORE)),  # some off-shard
-            (args(None, None, None), dict(vocab_start=0, ignore_index=None)),
-            (args(targets, grad_mean_logit, temperature), dict(vocab_start=0, ignore_index=IGNORE)),
+            (args(targets, None, None), options),
+            (args(targets, None, None), {**options, "vocab_start": 2, "ignore_index": IGNORE}),
+            (args(None, None, None), {**options, "chunk_size": 2}),
+            (args(targets, grad_mean_logit, temperature), {**options, "ignore_index": IGNORE}),
         ]
     return cases
 
 
 OPCHECK_CASES = {
     "compiled_logprob::vocab_parallel_stats": (_ops.vocab_parallel_stats, _stats_cases),
-    "compiled_logprob::vocab_parallel_stats_chunked": (
-        _ops.vocab_parallel_stats_chunked,
-        lambda: _stats_cases(chunk_size=2),
-    ),
     "compiled_logprob::vocab_parallel_stats_backward": (
         _ops.vocab_parallel_stats_backward,
         _backward_cases,
@@ -558,13 +554,9 @@ def tp_graph_ops(gloo_pool):
 
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 def test_collectives_per_call(tp_graph_ops, name):
-    if name in CHUNKED:
-        # Opaque by design: its collectives (one per chunk) run inside the op.
-        expected_forward = {"compiled_logprob::vocab_parallel_stats_chunked": 1}
-    else:
-        # The op is decomposed away; top-k first gathers every rank's candidates.
-        all_gathers = 2 if name == "topk" else 1
-        expected_forward = {"_c10d_functional::all_gather_into_tensor": all_gathers}
+    # The op is decomposed away (chunked or not); top-k first gathers every rank's candidates.
+    all_gathers = 2 if name == "topk" else 1
+    expected_forward = {"_c10d_functional::all_gather_into_tensor": all_gathers}
     expected_backward = {"_c10d_functional::all_reduce": 1} if name in SHARDED_OUTPUT else {}
     assert tp_graph_ops[name] == {"forward": expected_forward, "backward": expected_backward}
 
