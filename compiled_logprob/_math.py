@@ -183,42 +183,64 @@ def grad_logits(
     eager: bool = False,
 ) -> torch.Tensor:
     """``d(lse, target_logit, mean_logit)/d logits`` applied to the incoming gradients,
-    fp32 ``[B, S, V_local]`` (the caller rounds it once to the logits' dtype).
+    ``[B, S, V_local]``, formed in fp32 and rounded once.
 
     With ``p = softmax(z)``: ``d lse/dz = p``, ``d target_logit_k/dz = onehot(target_k)``,
     ``d E_p[z]/dz = p · (1 + z − E_p[z])``, and ``dz/d logits = 1 / temperature``. For a
     token log-prob (``g_lse = −g``, ``g_target = g``) this is ``g · (onehot − p)``. Rows whose
     targets are all ignored get exactly 0, whatever their logits hold.
 
-    ``eager`` (op-by-op calls on a block) updates the block in place and scatters the K
-    one-hot terms; traced for Inductor, one compare per id keeps it one functional
-    elementwise pass.
+    ``eager`` (op-by-op calls on a block): the fp32 block, updated in place, with the one-hot
+    terms scatter-added; the caller rounds it by copying it into the gradient. Traced for
+    Inductor: the logits' dtype, as one elementwise pass for the softmax terms and then a
+    scatter of the exact values at the K target positions of each row, so that no pass over
+    the vocabulary compares against K ids.
     """
     z = scaled_logits(logits, temperature)
-    grad = _exp(z - lse.unsqueeze(-1), eager)
-    if grad_mean_logit is None:
-        grad = _inplace(eager, grad, "mul", grad_lse.unsqueeze(-1))
+    grad = _softmax_terms(z, lse, grad_lse, grad_mean_logit, mean_logit, eager)
+    if target is None:
+        grad = _row_scaled(grad, None, temperature, eager)
+        return grad if eager else grad.to(logits.dtype)
+    local_target = target - vocab_start
+    owned = (local_target >= 0) & (local_target < logits.shape[-1])
+    if ignore_index is not None:
+        owned = owned & (target != ignore_index)
+        all_ignored = (target == ignore_index).all(-1, keepdim=True)
     else:
-        # Centre z before scaling: g_lse + g_E·(1 + z − E) keeps its precision where z ≈ E.
-        centred = z - mean_logit.unsqueeze(-1)
-        weight = grad_lse.unsqueeze(-1) + grad_mean_logit.unsqueeze(-1) * (1.0 + centred)
-        grad = torch.where(grad > 0, grad * weight, 0.0)
-    if target is not None:
-        local_target = target - vocab_start
-        owned = (local_target >= 0) & (local_target < logits.shape[-1])
-        if ignore_index is not None:
-            owned = owned & (target != ignore_index)
-        grad_target = torch.where(owned, grad_target_logit, 0.0)
-        if eager:
-            grad = grad.scatter_add_(-1, torch.where(owned, local_target, 0), grad_target)
-        else:
-            vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
-            for k in range(target.shape[-1]):
-                is_target = vocab_ids == local_target[..., k : k + 1]
-                grad = grad + torch.where(is_target, grad_target[..., k : k + 1], 0.0)
-        if ignore_index is not None:
-            all_ignored = (target == ignore_index).all(-1, keepdim=True)
-            grad = _inplace(eager, grad, "masked_fill", all_ignored, 0.0)
+        all_ignored = None
+    grad_target = torch.where(owned, grad_target_logit, 0.0)
+    index = torch.where(owned, local_target, 0)
+    if eager:
+        grad = grad.scatter_add_(-1, index, grad_target)
+        return _row_scaled(grad, all_ignored, temperature, eager=True)
+    # The exact gradient at each scattered position (index 0 stands in for ids this shard
+    # does not own, and gets its own exact value): its softmax term plus the one-hot terms
+    # of every id that lands there.
+    picked = scaled_logits(logits.gather(-1, index), temperature)
+    at_index = _softmax_terms(picked, lse, grad_lse, grad_mean_logit, mean_logit, eager=False)
+    same = index.unsqueeze(-1) == index.unsqueeze(-2)  # [B, S, K, K]
+    at_index = at_index + torch.where(same, grad_target.unsqueeze(-2), 0.0).sum(-1)
+    dense = _row_scaled(grad, all_ignored, temperature, eager=False).to(logits.dtype)
+    exact = _row_scaled(at_index, all_ignored, temperature, eager=False).to(logits.dtype)
+    return dense.scatter(-1, index, exact)
+
+
+def _softmax_terms(z, lse, grad_lse, grad_mean_logit, mean_logit, eager):
+    """fp32 ``p · (g_lse + g_E · (1 + z − E))`` (``g_E`` term only with entropy) for ``z``
+    ``[B, S, *]`` of any width: the whole vocabulary, or a few gathered entries."""
+    probs = _exp(z - lse.unsqueeze(-1), eager)
+    if grad_mean_logit is None:
+        return _inplace(eager, probs, "mul", grad_lse.unsqueeze(-1))
+    # Centre z before scaling: g_lse + g_E·(1 + z − E) keeps its precision where z ≈ E.
+    centred = z - mean_logit.unsqueeze(-1)
+    weight = grad_lse.unsqueeze(-1) + grad_mean_logit.unsqueeze(-1) * (1.0 + centred)
+    return torch.where(probs > 0, probs * weight, 0.0)
+
+
+def _row_scaled(grad, all_ignored, temperature, eager):
+    """``grad / temperature``, 0 on rows whose targets are all ignored."""
+    if all_ignored is not None:
+        grad = _inplace(eager, grad, "masked_fill", all_ignored, 0.0)
     if temperature is not None:
         grad = _inplace(eager, grad, "div", temperature.unsqueeze(-1))
     return grad

@@ -189,4 +189,4 @@ def _decompose_backward(
         temperature=temperature,
         grad_mean_logit=grad_mean_logit,
         mean_logit=mean_logit,
-    ).to(logits.dtype)
+    )

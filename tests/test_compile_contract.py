@@ -87,9 +87,10 @@ def _token_logprobs_temperature_entropy(logits, target, start, end, group):
 
 
 def _token_logprobs_k_ids(logits, target, start, end, group):
+    # K = 3: the target (ignored at some positions), another id, and the target repeated.
     valid = target.clamp(min=0)
-    ids = torch.stack([valid, (valid * 7 + 3) % VOCAB], dim=-1)
-    return cl.token_logprobs(logits, ids, vocab_start=start, group=group)
+    ids = torch.stack([target, (valid * 7 + 3) % VOCAB, valid], dim=-1)
+    return cl.token_logprobs(logits, ids, vocab_start=start, group=group, ignore_index=IGNORE)
 
 
 def _entropy_chunked_row_temperature(logits, target, start, end, group):
