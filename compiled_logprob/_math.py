@@ -34,6 +34,9 @@ OWNERSHIP_ERROR = (
 
 _INF = float("inf")
 _PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+# Entries per block of local_topk's block maxima: 128 keeps the candidates (k blocks) few
+# while each block is still a full vector loop.
+TOPK_BLOCK = 128
 _LN_2 = math.log(2.0)
 _LOG2_E = 1.0 / _LN_2
 
@@ -115,6 +118,30 @@ def local_stats(
             picked = picked / temperature.unsqueeze(-1)
         stats += [torch.where(owned, picked, 0.0), owned.float()]
     return torch.cat(stats, dim=-1)
+
+
+def local_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.topk(k)`` (values, local ids) of ``[..., V_local]``, via block maxima.
+
+    The top k entries of a row lie in its k blocks with the largest maxima (any entry of
+    another block is below k distinct block maxima), or in the tail that fills no block.
+    So one max-reduction pass and a top-k over the k best blocks' ``k · TOPK_BLOCK``
+    entries replace a selection over the whole vocabulary. Ties may pick other ids of
+    equal value.
+    """
+    vocab = logits.shape[-1]
+    blocks = vocab // TOPK_BLOCK
+    if 4 * k * TOPK_BLOCK > vocab:
+        return logits.topk(k, dim=-1)
+    full = blocks * TOPK_BLOCK
+    maxima = logits[..., :full].unflatten(-1, (blocks, TOPK_BLOCK)).amax(-1)
+    best = maxima.topk(k, dim=-1).indices.unsqueeze(-1) * TOPK_BLOCK
+    offsets = torch.arange(TOPK_BLOCK, device=logits.device)
+    candidates = (best + offsets).flatten(-2)  # [B, S, k · TOPK_BLOCK]
+    tail = torch.arange(full, vocab, device=logits.device).expand(*logits.shape[:-1], -1)
+    candidates = torch.cat([candidates, tail], dim=-1)
+    values, picked = logits.gather(-1, candidates).topk(k, dim=-1)
+    return values, candidates.gather(-1, picked)
 
 
 def gather_stats(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from compiled_logprob import _ops
+from compiled_logprob import _math, _ops
 
 __all__ = [
     "token_logprobs",
@@ -309,7 +309,7 @@ def vocab_parallel_topk(
         )
     with torch.no_grad():
         # A positive temperature rescales each row, so it does not change the ranking.
-        values, local_ids = logits.detach().topk(k, dim=-1)
+        values, local_ids = _math.local_topk(logits.detach(), k)
         candidates = torch.stack([values.float(), (local_ids + vocab_start).float()])
         group_name = _group_name(group)
         if group_name is not None:

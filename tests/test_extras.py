@@ -25,6 +25,7 @@ import test_tp_numerics as numerics
 from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp_group
 
 import compiled_logprob as cl
+from compiled_logprob import _math
 from compiled_logprob.testing.reference import (
     oracle_entropy,
     oracle_log_softmax,
@@ -324,8 +325,39 @@ def test_topk(gloo_pool, world):
         dataclasses.replace(topk, k=3, special="inf_shard", chunk=4, seed=43),
         dataclasses.replace(topk, k=8, scale=1000.0, lead=(2, 1), seed=44),
         dataclasses.replace(topk, k=7 // world, vocab=7, seed=45),  # k = the smallest V_local
+        # Shards wide enough for the block-maxima selection, with a partial tail block.
+        dataclasses.replace(topk, k=2, vocab=3 * 1100 + 1, dtype="bf16", seed=46),
+        dataclasses.replace(topk, k=8, vocab=4 * 8 * 128 + 77, special="inf_shard", seed=47),
     ]
     _run(gloo_pool, world, cases)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.integers(1, 3000),
+    k=st.integers(1, 12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    special=st.sampled_from([None, "ties", "-inf", "nan"]),
+    seed=st.integers(0, 2**16),
+)
+def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
+    """The block-maxima top-k returns torch.topk's values and distinct ids holding them."""
+    k = min(k, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 3, vocab, generator=gen)
+    if special == "ties":
+        logits = logits.mul(2).round()
+    elif special == "-inf":
+        logits[0, :, ::2] = float("-inf")
+        logits[1, 0] = float("-inf")
+    elif special == "nan":
+        logits[0, 1, vocab // 2] = float("nan")
+    logits = logits.to(dtype)
+    values, ids = _math.local_topk(logits, k)
+    expected = logits.topk(k, dim=-1).values
+    assert torch.equal(values, expected) or torch.allclose(values, expected, equal_nan=True)
+    assert torch.equal(logits.gather(-1, ids), values) or special == "nan"
+    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated ids"
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 13, 20])
