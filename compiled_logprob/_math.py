@@ -34,9 +34,9 @@ OWNERSHIP_ERROR = (
 
 _INF = float("inf")
 _PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
-# Entries per block of local_topk's block maxima: 128 keeps the candidates (k blocks) few
-# while each block is still a full vector loop.
-TOPK_BLOCK = 128
+# Entries per block of local_topk's block maxima: measured fastest of 16-128 on CPU (fewer
+# candidates to select from, k · 32, against more maxima, V / 32).
+TOPK_BLOCK = 32
 _LN_2 = math.log(2.0)
 _LOG2_E = 1.0 / _LN_2
 
