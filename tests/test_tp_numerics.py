@@ -18,11 +18,10 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
+from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_log_softmax,
     oracle_logprobs,
@@ -241,16 +240,9 @@ def _check_bad_target(kind: str, api: str, chunk: int | None) -> str:
 
 
 def _check_property(max_examples: int) -> None:
-    """The Hypothesis property, run on every rank of a pool in lockstep (see below)."""
-    settings_ = settings(
-        derandomize=True,  # the same examples, in the same order, on every rank
-        database=None,
-        max_examples=max_examples,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),  # time-based checks could differ between ranks
-        print_blob=False,
-    )
-    settings_(given(case=_cases(), tp=st.integers(1, dist.get_world_size()))(_property_example))()
+    """The Hypothesis property, on every rank of the pool (a worker task)."""
+    strategy = st.tuples(_cases(), st.integers(1, dist.get_world_size()))
+    property_in_lockstep(strategy, _property_example, max_examples=max_examples)
 
 
 @st.composite
@@ -288,17 +280,9 @@ def _tp_group(tp: int) -> dist.ProcessGroup:
     return _TP_GROUPS[tp]
 
 
-def _property_example(case: Case, tp: int) -> None:
-    # A failure on any rank fails the example on every rank, so that Hypothesis takes the
-    # same path (shrinking included) everywhere and the ranks' collectives stay matched.
-    try:
-        _check_case(case, _tp_group(tp))
-        failure = ""
-    except Exception as error:  # noqa: BLE001 - reported below, on every rank
-        failure = f"{type(error).__name__}: {error}"
-    flags = funcol.all_reduce(torch.tensor([float(bool(failure))]), "max", dist.group.WORLD)
-    if funcol.wait_tensor(flags).item():
-        raise AssertionError(failure or "failed on another rank")
+def _property_example(drawn: tuple[Case, int]) -> None:
+    case, tp = drawn
+    _check_case(case, _tp_group(tp))
 
 
 # ---------------------------------------------------------------------------------------

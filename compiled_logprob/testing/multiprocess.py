@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GlooPool", "WorkerError"]
+__all__ = ["GlooPool", "WorkerError", "property_in_lockstep"]
 
 
 class WorkerError(RuntimeError):
@@ -140,3 +140,38 @@ class GlooPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def property_in_lockstep(strategy, check: Callable[[Any], None], *, max_examples: int) -> None:
+    """Run the Hypothesis property ``check(example)`` over ``strategy`` on every rank of the
+    initialised world in lockstep (call it on every rank, e.g. from a :class:`GlooPool` task).
+
+    Every rank draws the same examples in the same order (derandomised, no database, no
+    time-based health checks), and a failure on any rank fails that example on every rank,
+    so that Hypothesis takes the same path everywhere, shrinking included, and the ranks'
+    collectives stay matched.
+    """
+    import torch
+    import torch.distributed as dist
+    from hypothesis import HealthCheck, given, settings
+
+    def example(drawn) -> None:
+        try:
+            check(drawn)
+            failure = ""
+        except Exception as error:  # noqa: BLE001 - reported below, on every rank
+            failure = f"{type(error).__name__}: {error}"
+        flags = torch.tensor([float(bool(failure))])
+        dist.all_reduce(flags, dist.ReduceOp.MAX)
+        if flags.item():
+            raise AssertionError(failure or "failed on another rank")
+
+    lockstep = settings(
+        derandomize=True,
+        database=None,
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    lockstep(given(strategy)(example))()
