@@ -31,14 +31,21 @@ BLOCKS_PER_CALL = 256
 MIN_BLOCK_ELEMENTS = 1 << 18
 
 
-def _seq_blocks(logits: torch.Tensor, chunk_size: int | None) -> list[slice]:
-    """The eager kernels' blocks of sequence positions of ``logits`` ``[B, S, V_local]``."""
+def _seq_blocks(
+    logits: torch.Tensor, chunk_size: int | None
+) -> list[tuple[slice, torch.Tensor]]:
+    """The eager kernels' blocks of sequence positions of ``logits`` ``[B, S, V_local]``,
+    each with its view of one fp32 workspace that all the blocks reuse."""
     batch, seq_len, vocab = logits.shape
     row = max(1, batch * vocab)
     block_elements = max(MIN_BLOCK_ELEMENTS, row * seq_len // BLOCKS_PER_CALL)
     block = max(1, min(seq_len, block_elements // row, chunk_size or seq_len))
+    workspace = logits.new_empty((batch, min(block, seq_len), vocab), dtype=torch.float32)
     # At least one (possibly empty) block: an empty sequence still joins the collective.
-    return [slice(s, s + block) for s in range(0, max(seq_len, 1), block)]
+    starts = range(0, max(seq_len, 1), block)
+    return [
+        (slice(s, s + block), workspace[:, : min(block, seq_len - s)]) for s in starts
+    ]
 
 
 def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -70,8 +77,9 @@ def vocab_parallel_stats(
             temperature=_rows(temperature, rows),
             with_entropy=with_entropy,
             eager=True,
+            workspace=workspace,
         )
-        for rows in _seq_blocks(logits, chunk_size)
+        for rows, workspace in _seq_blocks(logits, chunk_size)
     ]
     return _gather_and_combine(
         torch.cat(stats, dim=1), target, group_name, ignore_index, with_entropy
@@ -101,7 +109,7 @@ def vocab_parallel_stats_backward(
     chunk_size: int | None,
 ) -> torch.Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    for rows in _seq_blocks(logits, chunk_size):
+    for rows, workspace in _seq_blocks(logits, chunk_size):
         # Formed in place in one fp32 block, rounded once by the copy into the output.
         grad[:, rows] = _math.grad_logits(
             grad_lse[:, rows],
@@ -115,6 +123,7 @@ def vocab_parallel_stats_backward(
             grad_mean_logit=_rows(grad_mean_logit, rows),
             mean_logit=mean_logit[:, rows],
             eager=True,
+            workspace=workspace,
         )
     return grad
 
