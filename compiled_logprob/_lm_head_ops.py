@@ -78,9 +78,8 @@ def lm_head_stats(
         )
         for rows in _chunks(hidden, weight, chunk_size)
     ]
-    gathered = _math.gather_stats(torch.cat(stats, dim=1), group_name)
-    lse, target_logit, mean_logit = _math.combine_stats(
-        gathered, targets, ignore_index, with_entropy=with_entropy
+    lse, target_logit, mean_logit = _math.exchange_stats(
+        torch.cat(stats, dim=1), targets, group_name, ignore_index, with_entropy=with_entropy
     )
     return lse, target_logit.squeeze(-1), mean_logit
 

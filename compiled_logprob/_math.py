@@ -144,13 +144,23 @@ def local_stats(
     else:
         stats = [row_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
     if target is not None:
-        local_target = target - vocab_start
-        owned = (local_target >= 0) & (local_target < logits.shape[-1])
-        picked = logits.gather(-1, torch.where(owned, local_target, 0)).float()
+        index, owned = _local_ids(target, vocab_start, logits.shape[-1])
+        picked = logits.gather(-1, index).float()
         if temperature is not None:
             picked = picked / temperature.unsqueeze(-1)
         stats += [torch.where(owned, picked, 0.0), owned.float()]
     return torch.cat(stats, dim=-1)
+
+
+def _local_ids(
+    target: torch.Tensor, vocab_start: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, owned)`` of global ids ``target``: their index in this shard of ``vocab``
+    entries (0 where it does not own them, a safe index to gather or scatter at) and
+    whether it owns them."""
+    local = target - vocab_start
+    owned = (local >= 0) & (local < vocab)
+    return torch.where(owned, local, 0), owned
 
 
 def local_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,28 +187,27 @@ def local_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values, candidates.gather(-1, picked)
 
 
-def gather_stats(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
-    """Every rank's ``[B, S, F]`` statistics as ``[R, B, S, F]``: the one collective."""
-    if group_name is None:
-        return stats.unsqueeze(0)
-    gathered = funcol.all_gather_single(stats, 0, group_name)
-    return gathered.unflatten(0, (-1, stats.shape[0]))
-
-
-def combine_stats(
-    gathered: torch.Tensor,
+def exchange_stats(
+    stats: torch.Tensor,
     target: torch.Tensor | None,
+    group_name: str | None,
     ignore_index: int | None,
     *,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge the ranks' statistics ``[R, B, S, F]`` into ``(lse, target_logit, mean_logit)``.
+    """All-gather this shard's statistics ``[B, S, F]`` over the group (the one collective)
+    and merge every rank's into ``(lse, target_logit, mean_logit)``.
 
     ``lse`` ``[B, S]``; ``target_logit`` ``[B, S, K]`` (0 where the target is ignored;
     ``K = 0`` without a target); ``mean_logit`` ``[B, S]`` is ``E_softmax[z]`` over the full
     vocabulary with entropy, else 0. Asserts, without a host sync, that every non-ignored
     target is owned by exactly one rank.
     """
+    if group_name is None:
+        gathered = stats.unsqueeze(0)
+    else:
+        gathered = funcol.all_gather_single(stats, 0, group_name)
+        gathered = gathered.unflatten(0, (-1, stats.shape[0]))  # [R, B, S, F]
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
     top = _finite_or_zero(row_max.amax(0))
     # Each shard summed exp(z − its own max); rescale to the common max. A -inf shard's
@@ -253,31 +262,28 @@ def grad_logits(
 
     ``eager`` (op-by-op calls on a block): the fp32 block (in ``workspace`` when given),
     updated in place, with the one-hot terms scatter-added; the caller rounds it by copying
-    it into the gradient. Traced for
-    Inductor: the logits' dtype, as one elementwise pass for the softmax terms and then a
-    scatter of the exact values at the K target positions of each row, so that no pass over
-    the vocabulary compares against K ids.
+    it into the gradient. Traced for Inductor: the logits' dtype, as one elementwise pass
+    for the softmax terms and then a scatter of the exact values at the K target positions
+    of each row, so that no pass over the vocabulary compares against K ids.
     """
     z = scaled_logits(logits, temperature)
     grad = _softmax_terms(z, lse, grad_lse, grad_mean_logit, mean_logit, eager, workspace)
     if target is None:
         grad = _row_scaled(grad, None, temperature, eager)
         return grad if eager else grad.to(logits.dtype)
-    local_target = target - vocab_start
-    owned = (local_target >= 0) & (local_target < logits.shape[-1])
+    index, owned = _local_ids(target, vocab_start, logits.shape[-1])
     if ignore_index is not None:
         owned = owned & (target != ignore_index)
         all_ignored = (target == ignore_index).all(-1, keepdim=True)
     else:
         all_ignored = None
     grad_target = torch.where(owned, grad_target_logit, 0.0)
-    index = torch.where(owned, local_target, 0)
     if eager:
         grad = grad.scatter_add_(-1, index, grad_target)
         return _row_scaled(grad, all_ignored, temperature, eager=True)
     # The exact gradient at each scattered position (index 0 stands in for ids this shard
     # does not own, and gets its own exact value): its softmax term plus the one-hot terms
-    # of every id that lands there.
+    # of every id that lands there (ignored ones add 0).
     picked = scaled_logits(logits.gather(-1, index), temperature)
     at_index = _softmax_terms(picked, lse, grad_lse, grad_mean_logit, mean_logit, False, None)
     same = index.unsqueeze(-1) == index.unsqueeze(-2)  # [B, S, K, K]

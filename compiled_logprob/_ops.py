@@ -52,11 +52,6 @@ def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if tensor is None else tensor[:, rows]
 
 
-def _gather_and_combine(stats, target, group_name, ignore_index, with_entropy):
-    gathered = _math.gather_stats(stats, group_name)
-    return _math.combine_stats(gathered, target, ignore_index, with_entropy=with_entropy)
-
-
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats", mutates_args=())
 def vocab_parallel_stats(
     logits: torch.Tensor,
@@ -81,8 +76,8 @@ def vocab_parallel_stats(
         )
         for rows, workspace in _seq_blocks(logits, chunk_size)
     ]
-    return _gather_and_combine(
-        torch.cat(stats, dim=1), target, group_name, ignore_index, with_entropy
+    return _math.exchange_stats(
+        torch.cat(stats, dim=1), target, group_name, ignore_index, with_entropy=with_entropy
     )
 
 
@@ -169,7 +164,7 @@ def _decompose_stats(
     stats = _math.local_stats(
         logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy
     )
-    return _gather_and_combine(stats, target, group_name, ignore_index, with_entropy)
+    return _math.exchange_stats(stats, target, group_name, ignore_index, with_entropy=with_entropy)
 
 
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats_backward.default)
