@@ -7,7 +7,8 @@ cache-sized row blocks; the Inductor decompositions call them once on the whole 
 Shape legend: ``B`` batch, ``S`` sequence, ``V_local`` this rank's vocabulary slice,
 ``R`` ranks of the vocab-parallel group, ``K`` target ids per position, ``F`` statistics
 per row. The scaled logits are ``z = logits / temperature`` (``temperature`` ``[B, S]`` or
-``None`` for 1); everything below is over ``z``, in fp32.
+``None`` for 1); everything below is over ``z``, in fp32, but ``z`` itself is never
+formed: the temperature folds into the one per-row multiply that every pass does anyway.
 
 Statistics of one shard, ``[B, S, F]``, are raw sums, so that one loop over the logits
 produces them all and the logs and divisions wait until after the exchange:
@@ -20,6 +21,7 @@ kernel into one pass over the logits per reduction.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,26 +41,23 @@ _PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 TOPK_BLOCK = 32
 _LN_2 = math.log(2.0)
 _LOG2_E = 1.0 / _LN_2
+# A floor for base-2 exponents: 2^c is 0 in fp32 below c = -150 already.
+_LOG2_FLOOR = -1024.0
 
 
-def scaled_logits(
-    logits: torch.Tensor, temperature: torch.Tensor | None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``z = logits / temperature``, ``[B, S, V_local]``, computed in fp32 (into ``out``, an
-    fp32 workspace, when given and there is a temperature).
+def _promoted(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as they are when every use promotes them to fp32 exactly (16- and
+    32-bit floats meet an fp32 tensor in each op), else an fp32 copy: no fp32 copy of a
+    block is made for the usual dtypes."""
+    return logits if logits.dtype in _PROMOTE_TO_FP32 else logits.float()
 
-    Without a temperature, 16- and 32-bit logits are returned as they are: every use
-    combines them with an fp32 tensor, which promotes them exactly, so no fp32 copy of a
-    block is made.
-    """
-    z = logits if logits.dtype in _PROMOTE_TO_FP32 else logits.float()
-    if temperature is None:
-        return z
-    if out is None:
-        return z / temperature.unsqueeze(-1)
-    if z.dtype == out.dtype:
-        return torch.div(z, temperature.unsqueeze(-1), out=out)
-    return _into(out, z).div_(temperature.unsqueeze(-1))
+
+def _log2_scale(temperature: torch.Tensor | None) -> float | torch.Tensor:
+    """``log2 e / temperature``, ``[B, S, 1]`` (or a float without a temperature): one
+    multiply takes ``x − shift`` to base-2 units of ``z = x / temperature``. A positive
+    temperature is monotone, so ``max(z) = max(x) / temperature`` exactly and the logits
+    are never divided element by element."""
+    return _LOG2_E if temperature is None else _LOG2_E / temperature.unsqueeze(-1)
 
 
 def _finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
@@ -89,16 +88,6 @@ def _into(workspace: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return workspace.copy_(z)
 
 
-def _exp(x: torch.Tensor, eager: bool) -> torch.Tensor:
-    """``exp(x)`` of a fresh temporary ``x``, as ``exp2(x · log2 e)``.
-
-    Inductor's CPU kernels (Sleef) take markedly fewer cycles for exp2 than for exp, and
-    these loops are compute-bound; on GPUs exp2 is the native instruction. Rounding
-    ``x · log2 e`` costs ≤ 6e-8·|x| relative: ≤ 1e-6 on the terms that carry the mass.
-    """
-    return _inplace(eager, _inplace(eager, x, "mul", _LOG2_E), "exp2")
-
-
 def _mixture_entropy(
     log_weights: torch.Tensor, entropies: torch.Tensor, dim: int
 ) -> torch.Tensor:
@@ -122,24 +111,33 @@ def local_stats(
     with_entropy: bool = False,
     eager: bool = False,
     workspace: torch.Tensor | None = None,
+    spare: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This shard's raw statistics, fp32 ``[B, S, F]`` (layout in the module docstring).
 
     ``target_logit`` is ``z`` at the target where this shard owns it (0 elsewhere), and
     ``owned`` is 1.0 there. ``logits`` ``[B, S, V_local]``, ``target`` ``[B, S, K]`` global
-    vocabulary ids. ``eager`` (op-by-op calls) updates fresh temporaries in place, the first
-    one in ``workspace`` (fp32, the logits' shape) when given; traced for Inductor the code
-    must stay functional.
+    vocabulary ids. ``eager`` (op-by-op calls) updates fresh temporaries in place, in the
+    fp32 blocks ``workspace`` and, with entropy, ``spare`` (the logits' shape) when given;
+    traced for Inductor the code must stay functional.
     """
-    z = scaled_logits(logits, temperature, workspace)
-    row_max = z.amax(-1, keepdim=True).float()
-    # In base 2 (exp2(c · log2 e) = exp(c), see _exp) until the sums are taken.
-    centred = _inplace(eager, _minus(z, _finite_or_zero(row_max), workspace), "mul", _LOG2_E)
+    x = _promoted(logits)
+    x_max = x.amax(-1, keepdim=True).float()
+    # Base-2 units of z − max(z) (exp2(c) = exp(z − max), cheaper than exp on CPU and
+    # native on GPUs) until the sums are taken.
+    centred = _minus(x, _finite_or_zero(x_max), workspace)
+    centred = _inplace(eager, centred, "mul", _log2_scale(temperature))
+    row_max = x_max if temperature is None else x_max / temperature.unsqueeze(-1)
     if with_entropy:
-        # Clamping -inf (vocabulary padding) to the lowest float keeps 2^c·c at 0, not NaN.
-        centred = _inplace(eager, centred, "clamp", min=torch.finfo(torch.float32).min)
-        exps = centred.exp2()
-        weighted = _inplace(eager, centred, "mul", exps).sum(-1, keepdim=True)
+        exps = centred.exp2() if spare is None else torch.exp2(centred, out=spare)
+        # 2^c · c is NaN where c = -inf (vocabulary padding), for a term that is 0.
+        if eager:
+            # nansum drops it at no cost (a NaN logit still gives NaN: it is the max, and
+            # every sum has it).
+            weighted = centred.mul_(exps).nansum(-1, keepdim=True)
+        else:
+            # Inductor's nansum splits the loop; a floor on c does it (2^c is 0 already).
+            weighted = (centred.clamp(min=_LOG2_FLOOR) * exps).sum(-1, keepdim=True)
         stats = [row_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
     else:
         stats = [row_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
@@ -251,6 +249,7 @@ def grad_logits(
     mean_logit: torch.Tensor | None = None,
     eager: bool = False,
     workspace: torch.Tensor | None = None,
+    spare: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``d(lse, target_logit, mean_logit)/d logits`` applied to the incoming gradients,
     ``[B, S, V_local]``, formed in fp32 and rounded once.
@@ -260,16 +259,24 @@ def grad_logits(
     token log-prob (``g_lse = −g``, ``g_target = g``) this is ``g · (onehot − p)``. Rows whose
     targets are all ignored get exactly 0, whatever their logits hold.
 
-    ``eager`` (op-by-op calls on a block): the fp32 block (in ``workspace`` when given),
-    updated in place, with the one-hot terms scatter-added; the caller rounds it by copying
-    it into the gradient. Traced for Inductor: the logits' dtype, as one elementwise pass
-    for the softmax terms and then a scatter of the exact values at the K target positions
-    of each row, so that no pass over the vocabulary compares against K ids.
+    ``eager`` (op-by-op calls on a block): the fp32 block (in ``workspace``, and ``spare``
+    with entropy, when given), updated in place, with the one-hot terms scatter-added; the
+    caller rounds it by copying it into the gradient. Traced for Inductor: the logits'
+    dtype, as one elementwise pass for the softmax terms and then a scatter of the exact
+    values at the K target positions of each row, so that no pass over the vocabulary
+    compares against K ids.
     """
-    z = scaled_logits(logits, temperature)
-    grad = _softmax_terms(z, lse, grad_lse, grad_mean_logit, mean_logit, eager, workspace)
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
+    softmax_terms = functools.partial(
+        _softmax_terms,
+        lse=lse,
+        temperature=temperature,
+        grad_lse=grad_lse,
+        grad_mean_logit=grad_mean_logit,
+        mean_logit=mean_logit,
+    )
+    grad = softmax_terms(_promoted(logits), eager=eager, workspace=workspace, spare=spare)
     if target is None:
-        grad = _row_scaled(grad, None, temperature, eager)
         return grad if eager else grad.to(logits.dtype)
     index, owned = _local_ids(target, vocab_start, logits.shape[-1])
     if ignore_index is not None:
@@ -277,41 +284,56 @@ def grad_logits(
         all_ignored = (target == ignore_index).all(-1, keepdim=True)
     else:
         all_ignored = None
-    grad_target = torch.where(owned, grad_target_logit, 0.0)
+    grad_target = torch.where(owned, grad_target_logit, 0.0) * inverse_t
     if eager:
         grad = grad.scatter_add_(-1, index, grad_target)
-        return _row_scaled(grad, all_ignored, temperature, eager=True)
+        return _zero_rows(grad, all_ignored, eager=True)
     # The exact gradient at each scattered position (index 0 stands in for ids this shard
     # does not own, and gets its own exact value): its softmax term plus the one-hot terms
     # of every id that lands there (ignored ones add 0).
-    picked = scaled_logits(logits.gather(-1, index), temperature)
-    at_index = _softmax_terms(picked, lse, grad_lse, grad_mean_logit, mean_logit, False, None)
+    at_index = softmax_terms(logits.gather(-1, index).float(), eager=False)
     same = index.unsqueeze(-1) == index.unsqueeze(-2)  # [B, S, K, K]
     at_index = at_index + torch.where(same, grad_target.unsqueeze(-2), 0.0).sum(-1)
-    dense = _row_scaled(grad, all_ignored, temperature, eager=False).to(logits.dtype)
-    exact = _row_scaled(at_index, all_ignored, temperature, eager=False).to(logits.dtype)
+    dense = _zero_rows(grad, all_ignored, eager=False).to(logits.dtype)
+    exact = _zero_rows(at_index, all_ignored, eager=False).to(logits.dtype)
     return dense.scatter(-1, index, exact)
 
 
-def _softmax_terms(z, lse, grad_lse, grad_mean_logit, mean_logit, eager, workspace):
-    """fp32 ``p · (g_lse + g_E · (1 + z − E))`` (``g_E`` term only with entropy) for ``z``
-    ``[B, S, *]`` of any width: the whole vocabulary, or a few gathered entries."""
-    probs = _exp(_minus(z, lse.unsqueeze(-1), workspace), eager)
+def _softmax_terms(
+    x, *, lse, temperature, grad_lse, grad_mean_logit, mean_logit, eager, workspace=None, spare=None
+):
+    """fp32 ``p · (g_lse + g_E · (1 + z − E)) / temperature`` (``g_E`` term only with entropy)
+    for logits ``x`` ``[B, S, *]`` of any width: the whole vocabulary, or a few gathered
+    entries.
+
+    Everything is in base-2 units ``c = log2 p = (x − lse · T) · log2 e / T``, one
+    subtraction and one multiply per entry, and ``1 + z − E = 1 + (lse − E) + c · ln 2``
+    reuses ``c``: the entropy adds a multiply-add of ``c`` with per-row constants.
+    """
+    if temperature is None:
+        shift, inverse_t = lse.unsqueeze(-1), 1.0
+    else:
+        shift, inverse_t = (lse * temperature).unsqueeze(-1), 1.0 / temperature.unsqueeze(-1)
+    log2_probs = _inplace(eager, _minus(x, shift, workspace), "mul", _log2_scale(temperature))
     if grad_mean_logit is None:
-        return _inplace(eager, probs, "mul", grad_lse.unsqueeze(-1))
-    # Centre z before scaling: g_lse + g_E·(1 + z − E) keeps its precision where z ≈ E.
-    centred = z - mean_logit.unsqueeze(-1)
-    weight = grad_lse.unsqueeze(-1) + grad_mean_logit.unsqueeze(-1) * (1.0 + centred)
-    return torch.where(probs > 0, probs * weight, 0.0)
+        probs = _inplace(eager, log2_probs, "exp2")
+        return _inplace(eager, probs, "mul", grad_lse.unsqueeze(-1) * inverse_t)
+    # The floor keeps the weight finite, so that entries of p = 0 (-inf logits, vocabulary
+    # padding) get 0 · weight = 0, not NaN.
+    log2_probs = _inplace(eager, log2_probs, "clamp", min=_LOG2_FLOOR)
+    probs = log2_probs.exp2() if spare is None else torch.exp2(log2_probs, out=spare)
+    grad_mean = grad_mean_logit.unsqueeze(-1)
+    entropy = (lse - mean_logit).unsqueeze(-1)
+    offset = (grad_lse.unsqueeze(-1) + grad_mean * (1.0 + entropy)) * inverse_t
+    weight = _inplace(eager, log2_probs, "mul", grad_mean * (_LN_2 * inverse_t))
+    return _inplace(eager, _inplace(eager, weight, "add", offset), "mul", probs)
 
 
-def _row_scaled(grad, all_ignored, temperature, eager):
-    """``grad / temperature``, 0 on rows whose targets are all ignored."""
-    if all_ignored is not None:
-        grad = _inplace(eager, grad, "masked_fill", all_ignored, 0.0)
-    if temperature is not None:
-        grad = _inplace(eager, grad, "div", temperature.unsqueeze(-1))
-    return grad
+def _zero_rows(grad, all_ignored, eager):
+    """``grad`` with the rows whose targets are all ignored set to 0."""
+    if all_ignored is None:
+        return grad
+    return _inplace(eager, grad, "masked_fill", all_ignored, 0.0)
 
 
 def _inplace(eager: bool, tensor: torch.Tensor, method: str, *args, **kwargs) -> torch.Tensor:

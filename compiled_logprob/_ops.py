@@ -32,20 +32,24 @@ MIN_BLOCK_ELEMENTS = 1 << 18
 
 
 def _seq_blocks(
-    logits: torch.Tensor, chunk_size: int | None
-) -> list[tuple[slice, torch.Tensor]]:
+    logits: torch.Tensor, chunk_size: int | None, *, spare: bool
+) -> list[tuple[slice, torch.Tensor, torch.Tensor | None]]:
     """The eager kernels' blocks of sequence positions of ``logits`` ``[B, S, V_local]``,
-    each with its view of one fp32 workspace that all the blocks reuse."""
+    each with its views of the fp32 workspace and (``spare``, for the entropy's second
+    block-sized temporary) of a spare one, which all the blocks reuse."""
     batch, seq_len, vocab = logits.shape
     row = max(1, batch * vocab)
     block_elements = max(MIN_BLOCK_ELEMENTS, row * seq_len // BLOCKS_PER_CALL)
     block = max(1, min(seq_len, block_elements // row, chunk_size or seq_len))
-    workspace = logits.new_empty((batch, min(block, seq_len), vocab), dtype=torch.float32)
+    buffers = logits.new_empty(
+        (1 + spare, batch, min(block, seq_len), vocab), dtype=torch.float32
+    )
     # At least one (possibly empty) block: an empty sequence still joins the collective.
-    starts = range(0, max(seq_len, 1), block)
-    return [
-        (slice(s, s + block), workspace[:, : min(block, seq_len - s)]) for s in starts
-    ]
+    blocks = []
+    for start in range(0, max(seq_len, 1), block):
+        views = buffers[:, :, : min(block, seq_len - start)]
+        blocks.append((slice(start, start + block), views[0], views[1] if spare else None))
+    return blocks
 
 
 def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -73,8 +77,9 @@ def vocab_parallel_stats(
             with_entropy=with_entropy,
             eager=True,
             workspace=workspace,
+            spare=spare,
         )
-        for rows, workspace in _seq_blocks(logits, chunk_size)
+        for rows, workspace, spare in _seq_blocks(logits, chunk_size, spare=with_entropy)
     ]
     return _math.exchange_stats(
         torch.cat(stats, dim=1), target, group_name, ignore_index, with_entropy=with_entropy
@@ -104,7 +109,8 @@ def vocab_parallel_stats_backward(
     chunk_size: int | None,
 ) -> torch.Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    for rows, workspace in _seq_blocks(logits, chunk_size):
+    blocks = _seq_blocks(logits, chunk_size, spare=grad_mean_logit is not None)
+    for rows, workspace, spare in blocks:
         # Formed in place in one fp32 block, rounded once by the copy into the output.
         grad[:, rows] = _math.grad_logits(
             grad_lse[:, rows],
@@ -119,6 +125,7 @@ def vocab_parallel_stats_backward(
             mean_logit=mean_logit[:, rows],
             eager=True,
             workspace=workspace,
+            spare=spare,
         )
     return grad
 
