@@ -23,8 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _lm_head_ops, context_parallel
-from compiled_logprob import core
+from compiled_logprob import _lm_head_ops, context_parallel, core
 
 __all__ = [
     "lm_head_context_parallel_logprobs",
