@@ -361,6 +361,18 @@ def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
     assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated ids"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_topk_traced(dtype):
+    """Under torch.compile the blocks are contiguous for every dtype (eager 16-bit ones are
+    interleaved): same values as torch.topk, ids that hold them."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 4 * 8 * 32 + 17, generator=gen).mul(2).round().to(dtype)
+    values, ids = torch.compile(_math.local_topk, fullgraph=True, dynamic=False)(logits, 8)
+    assert torch.equal(values, logits.topk(8, dim=-1).values)
+    assert torch.equal(logits.gather(-1, ids), values)
+    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated ids"
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 13, 20])
 def test_chunked(gloo_pool, chunk):
     """Chunks that divide S, do not, equal it and exceed it, on uneven shards (TP = 3)."""
