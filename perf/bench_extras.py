@@ -27,27 +27,38 @@ from harness import Case, fmt_time, markdown_table
 
 import compiled_logprob as cl
 
-VARIANTS = ("plain", "temperature", "entropy", "k4_ids", "topk8")
 PATHS = ("eager", "compiled")
 
 
-def _variant(name: str, ids4: torch.Tensor):
-    """``fn(logits, target) -> [B, S]`` for one variant; extras with several outputs are
-    summed so that the backward carries the gradient of each."""
+# One function per variant, so that each compiles to its own code object: closures sharing
+# one code object would recompile under a guard on the variant and could hit Dynamo's
+# recompile limit. Extras with several outputs are summed so that the backward carries the
+# gradient of each; `k4_ids` gets `[B, S, 4]` ids as its target.
+def _plain(logits, target):
+    return cl.token_logprobs(logits, target)
 
-    def fn(logits, target):
-        if name == "plain":
-            return cl.token_logprobs(logits, target)
-        if name == "temperature":
-            return cl.token_logprobs(logits, target, temperature=0.7)
-        if name == "entropy":
-            logprobs, entropy = cl.token_logprobs(logits, target, return_entropy=True)
-            return logprobs + entropy
-        if name == "k4_ids":
-            return cl.token_logprobs(logits, ids4).sum(-1)
-        return cl.vocab_parallel_topk(logits, 8)[0].sum(-1)
 
-    return fn
+def _temperature(logits, target):
+    return cl.token_logprobs(logits, target, temperature=0.7)
+
+
+def _entropy(logits, target):
+    logprobs, entropy = cl.token_logprobs(logits, target, return_entropy=True)
+    return logprobs + entropy
+
+
+def _k4_ids(logits, ids):
+    return cl.token_logprobs(logits, ids).sum(-1)
+
+
+def _topk8(logits, target):
+    return cl.vocab_parallel_topk(logits, 8)[0].sum(-1)
+
+
+VARIANTS = {
+    "plain": _plain, "temperature": _temperature, "entropy": _entropy, "k4_ids": _k4_ids,
+    "topk8": _topk8,
+}
 
 
 def _step(fn, case: Case, logits, target, grad_out):
@@ -61,11 +72,12 @@ def time_variants(case: Case, *, device: str, repeats: int) -> dict[tuple[str, s
     logits, target, grad_out, _, _ = harness.make_inputs(case, 0, device)
     # Distinct ids spread over the vocabulary, the first one the target.
     ids4 = torch.stack([(target + i * (case.vocab // 4)) % case.vocab for i in range(4)], -1)
+    torch._dynamo.reset()  # each case compiles afresh, as a user's first call would
     steps = {}
-    for name in VARIANTS:
-        fn = _variant(name, ids4)
-        steps[name, "eager"] = _step(fn, case, logits, target, grad_out)
-        steps[name, "compiled"] = _step(torch.compile(fn, fullgraph=True), case, logits, target, grad_out)
+    for name, fn in VARIANTS.items():
+        ids = ids4 if name == "k4_ids" else target
+        steps[name, "eager"] = _step(fn, case, logits, ids, grad_out)
+        steps[name, "compiled"] = _step(torch.compile(fn, fullgraph=True), case, logits, ids, grad_out)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
     for step in steps.values():
         step()  # warm-up: compile, allocator, caches
