@@ -363,10 +363,11 @@ def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_local_topk_traced(dtype):
-    """Under torch.compile the blocks are contiguous for every dtype (eager 16-bit ones are
-    interleaved): same values as torch.topk, ids that hold them."""
+    """Compiled, Inductor's own code for the strided block maxima and the candidate gathers
+    gives the same values as torch.topk, and ids that hold them (ties included)."""
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(2, 5, 4 * 8 * 32 + 17, generator=gen).mul(2).round().to(dtype)
+    vocab = 4 * 8 * _math.TOPK_BLOCK + 17  # past the fallback to torch.topk, with a tail
+    logits = torch.randn(2, 5, vocab, generator=gen).mul(2).round().to(dtype)
     values, ids = torch.compile(_math.local_topk, fullgraph=True, dynamic=False)(logits, 8)
     assert torch.equal(values, logits.topk(8, dim=-1).values)
     assert torch.equal(logits.gather(-1, ids), values)
