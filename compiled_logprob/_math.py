@@ -142,12 +142,25 @@ def local_stats(
     else:
         stats = [row_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
     if target is not None:
-        index, owned = _local_ids(target, vocab_start, logits.shape[-1])
-        picked = logits.gather(-1, index).float()
-        if temperature is not None:
-            picked = picked / temperature.unsqueeze(-1)
-        stats += [torch.where(owned, picked, 0.0), owned.float()]
+        stats.append(target_stats(logits, target, vocab_start, temperature=temperature))
     return torch.cat(stats, dim=-1)
+
+
+def target_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    *,
+    temperature: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``[target_logit × K, owned × K]`` part of :func:`local_stats`, fp32
+    ``[B, S, 2K]``: a gather of K entries per row, which eager kernels do once for all rows
+    rather than block by block."""
+    index, owned = _local_ids(target, vocab_start, logits.shape[-1])
+    picked = logits.gather(-1, index).float()
+    if temperature is not None:
+        picked = picked / temperature.unsqueeze(-1)
+    return torch.cat([torch.where(owned, picked, 0.0), owned.float()], dim=-1)
 
 
 def _local_ids(
@@ -270,7 +283,6 @@ def grad_logits(
     values at the K target positions of each row, so that no pass over the vocabulary
     compares against K ids.
     """
-    inverse_t = 1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
     softmax_terms = functools.partial(
         _softmax_terms,
         lse=lse,
@@ -282,16 +294,11 @@ def grad_logits(
     grad = softmax_terms(_promoted(logits), eager=eager, workspace=workspace, spare=spare)
     if target is None:
         return grad if eager else grad.to(logits.dtype)
-    index, owned = _local_ids(target, vocab_start, logits.shape[-1])
-    if ignore_index is not None:
-        owned = owned & (target != ignore_index)
-        all_ignored = (target == ignore_index).all(-1, keepdim=True)
-    else:
-        all_ignored = None
-    grad_target = torch.where(owned, grad_target_logit, 0.0) * inverse_t
+    index, grad_target, all_ignored = target_terms(
+        grad_target_logit, target, vocab_start, logits.shape[-1], ignore_index, temperature
+    )
     if eager:
-        grad = grad.scatter_add_(-1, index, grad_target)
-        return _zero_rows(grad, all_ignored, eager=True)
+        return add_target_terms_(grad, index, grad_target, all_ignored)
     # The exact gradient at each scattered position (index 0 stands in for ids this shard
     # does not own, and gets its own exact value): its softmax term plus the one-hot terms
     # of every id that lands there (ignored ones add 0).
@@ -301,6 +308,42 @@ def grad_logits(
     dense = _zero_rows(grad, all_ignored, eager=False).to(logits.dtype)
     exact = _zero_rows(at_index, all_ignored, eager=False).to(logits.dtype)
     return dense.scatter(-1, index, exact)
+
+
+def target_terms(
+    grad_target_logit: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    vocab: int,
+    ignore_index: int | None,
+    temperature: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The one-hot terms of :func:`grad_logits`: ``(index, grad_target, all_ignored)``, the
+    ids' local index ``[B, S, K]`` (0 where not owned), the gradient to add there (0 where
+    not owned or ignored) and the rows whose targets are all ignored ``[B, S, 1]`` (``None``
+    without ``ignore_index``). Eager kernels form them once for all rows."""
+    index, owned = _local_ids(target, vocab_start, vocab)
+    if ignore_index is not None:
+        owned = owned & (target != ignore_index)
+        all_ignored = (target == ignore_index).all(-1, keepdim=True)
+    else:
+        all_ignored = None
+    grad_target = torch.where(owned, grad_target_logit, 0.0)
+    if temperature is not None:
+        grad_target = grad_target * (1.0 / temperature.unsqueeze(-1))
+    return index, grad_target, all_ignored
+
+
+def add_target_terms_(
+    grad: torch.Tensor,
+    index: torch.Tensor,
+    grad_target: torch.Tensor,
+    all_ignored: torch.Tensor | None,
+) -> torch.Tensor:
+    """Eager, in place on the fp32 block ``grad``: the one-hot terms of :func:`target_terms`
+    scatter-added, and the rows whose targets are all ignored set to 0."""
+    grad.scatter_add_(-1, index, grad_target)
+    return _zero_rows(grad, all_ignored, eager=True)
 
 
 def _softmax_terms(

@@ -32,23 +32,27 @@ MIN_BLOCK_ELEMENTS = 1 << 18
 
 
 def _seq_blocks(
-    logits: torch.Tensor, chunk_size: int | None, *, spare: bool
-) -> list[tuple[slice, torch.Tensor, torch.Tensor | None]]:
+    logits: torch.Tensor, chunk_size: int | None, *, workspace: bool = True, spare: bool = False
+) -> list[tuple[slice, torch.Tensor | None, torch.Tensor | None]]:
     """The eager kernels' blocks of sequence positions of ``logits`` ``[B, S, V_local]``,
-    each with its views of the fp32 workspace and (``spare``, for the entropy's second
-    block-sized temporary) of a spare one, which all the blocks reuse."""
+    each with its views of the fp32 ``workspace`` and (for the entropy's second block-sized
+    temporary) of a ``spare`` one, when asked for, which all the blocks reuse."""
     batch, seq_len, vocab = logits.shape
     row = max(1, batch * vocab)
     block_elements = max(MIN_BLOCK_ELEMENTS, row * seq_len // BLOCKS_PER_CALL)
     block = max(1, min(seq_len, block_elements // row, chunk_size or seq_len))
     buffers = logits.new_empty(
-        (1 + spare, batch, min(block, seq_len), vocab), dtype=torch.float32
+        (workspace + spare, batch, min(block, seq_len), vocab), dtype=torch.float32
     )
     # At least one (possibly empty) block: an empty sequence still joins the collective.
     blocks = []
     for start in range(0, max(seq_len, 1), block):
-        views = buffers[:, :, : min(block, seq_len - start)]
-        blocks.append((slice(start, start + block), views[0], views[1] if spare else None))
+        views = iter(buffers[:, :, : min(block, seq_len - start)])
+        blocks.append((
+            slice(start, start + block),
+            next(views) if workspace else None,
+            next(views) if spare else None,
+        ))
     return blocks
 
 
@@ -68,22 +72,27 @@ def vocab_parallel_stats(
     with_entropy: bool,
     chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    stats = [
-        _math.local_stats(
-            logits[:, rows],
-            _rows(target, rows),
-            vocab_start,
-            temperature=_rows(temperature, rows),
-            with_entropy=with_entropy,
-            eager=True,
-            workspace=workspace,
-            spare=spare,
-        )
-        for rows, workspace, spare in _seq_blocks(logits, chunk_size, spare=with_entropy)
-    ]
-    return _math.exchange_stats(
-        torch.cat(stats, dim=1), target, group_name, ignore_index, with_entropy=with_entropy
+    stats = torch.cat(
+        [
+            _math.local_stats(
+                logits[:, rows],
+                None,
+                vocab_start,
+                temperature=_rows(temperature, rows),
+                with_entropy=with_entropy,
+                eager=True,
+                workspace=workspace,
+                spare=spare,
+            )
+            for rows, workspace, spare in _seq_blocks(logits, chunk_size, spare=with_entropy)
+        ],
+        dim=1,
     )
+    if target is not None:
+        # K entries per row: one gather for all rows, not a few small ops per block.
+        target_stats = _math.target_stats(logits, target, vocab_start, temperature=temperature)
+        stats = torch.cat([stats, target_stats], dim=-1)
+    return _math.exchange_stats(stats, target, group_name, ignore_index, with_entropy=with_entropy)
 
 
 @vocab_parallel_stats.register_fake
@@ -109,14 +118,25 @@ def vocab_parallel_stats_backward(
     chunk_size: int | None,
 ) -> torch.Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    blocks = _seq_blocks(logits, chunk_size, spare=grad_mean_logit is not None)
+    # Each block's gradient is formed in place in fp32: in the gradient itself when it is
+    # fp32, else in a workspace, rounded once by the copy into the gradient.
+    in_grad = grad.dtype == torch.float32
+    blocks = _seq_blocks(
+        logits, chunk_size, workspace=not in_grad, spare=grad_mean_logit is not None
+    )
+    one_hot = None
+    if target is not None:
+        # The one-hot terms' [B, S, K] operands, formed once rather than block by block.
+        one_hot = _math.target_terms(
+            grad_target_logit, target, vocab_start, logits.shape[-1], ignore_index, temperature
+        )
     for rows, workspace, spare in blocks:
-        # Formed in place in one fp32 block, rounded once by the copy into the output.
-        grad[:, rows] = _math.grad_logits(
+        out = grad[:, rows]
+        block = _math.grad_logits(
             grad_lse[:, rows],
             grad_target_logit[:, rows],
             logits[:, rows],
-            _rows(target, rows),
+            None,
             lse[:, rows],
             vocab_start,
             ignore_index,
@@ -124,9 +144,13 @@ def vocab_parallel_stats_backward(
             grad_mean_logit=_rows(grad_mean_logit, rows),
             mean_logit=mean_logit[:, rows],
             eager=True,
-            workspace=workspace,
+            workspace=out if in_grad else workspace,
             spare=spare,
         )
+        if one_hot is not None:
+            block = _math.add_target_terms_(block, *(_rows(term, rows) for term in one_hot))
+        if block is not out:
+            out.copy_(block)
     return grad
 
 
