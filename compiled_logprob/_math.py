@@ -122,6 +122,10 @@ def local_stats(
     traced for Inductor the code must stay functional.
     """
     x = _promoted(logits)
+    if eager and x.dtype != torch.float32:
+        # ATen reduces a 16-bit inner dimension several times slower than an fp32 one:
+        # convert the block first (into the workspace when given) and work on it in place.
+        x = workspace = logits.float() if workspace is None else _into(workspace, logits)
     x_max = x.amax(-1, keepdim=True).float()
     # Base-2 units of z − max(z) (exp2(c) = exp(z − max), cheaper than exp on CPU and
     # native on GPUs) until the sums are taken.
