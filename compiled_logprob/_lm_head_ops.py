@@ -78,7 +78,7 @@ def lm_head_stats(
         )
         for rows in _chunks(hidden, weight, chunk_size)
     ]
-    lse, target_logit, mean_logit = _math.exchange_stats(
+    lse, target_logit, mean_logit, _ = _math.exchange_stats(
         torch.cat(stats, dim=1), targets, group_name, ignore_index, with_entropy=with_entropy
     )
     return lse, target_logit.squeeze(-1), mean_logit

@@ -13,7 +13,8 @@ formed: the temperature folds into the one per-row multiply that every pass does
 Statistics of one shard, ``[B, S, F]``, are raw sums, so that one loop over the logits
 produces them all and the logs and divisions wait until after the exchange:
 ``[max, Σ exp(z − max), Σ exp(z − max)·(z − max) (with entropy), target_logit × K,
-owned × K]``. The statistics are the last dimension because Inductor's CPU code
+owned × K]``, or with a top-k, ``[..., candidate z × k, candidate global id × k]`` in place
+of the target's part. The statistics are the last dimension because Inductor's CPU code
 generator keeps a per-row epilogue in the reductions' loop only when it walks the rows
 one at a time; ``[F, B, S]`` made it vectorise the epilogue across rows and split the
 kernel into one pass over the logits per reduction.
@@ -109,24 +110,27 @@ def local_stats(
     *,
     temperature: torch.Tensor | None = None,
     with_entropy: bool = False,
+    row_max: torch.Tensor | None = None,
     eager: bool = False,
     workspace: torch.Tensor | None = None,
     spare: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This shard's raw statistics, fp32 ``[B, S, F]`` (layout in the module docstring).
+    """This shard's raw statistics, fp32 ``[B, S, F]`` (layout in the module docstring; the
+    top-k part is :func:`topk_stats`'s).
 
     ``target_logit`` is ``z`` at the target where this shard owns it (0 elsewhere), and
     ``owned`` is 1.0 there. ``logits`` ``[B, S, V_local]``, ``target`` ``[B, S, K]`` global
-    vocabulary ids. ``eager`` (op-by-op calls) updates fresh temporaries in place, in the
-    fp32 blocks ``workspace`` and, with entropy, ``spare`` (the logits' shape) when given;
-    traced for Inductor the code must stay functional.
+    vocabulary ids. ``row_max`` ``[B, S, 1]``: the logits' max per row when the caller has it
+    already (:func:`topk_stats` does). ``eager`` (op-by-op calls) updates fresh temporaries
+    in place, in the fp32 blocks ``workspace`` and, with entropy, ``spare`` (the logits'
+    shape) when given; traced for Inductor the code must stay functional.
     """
     x = _promoted(logits)
     if eager and x.dtype != torch.float32:
         # ATen reduces a 16-bit inner dimension several times slower than an fp32 one:
         # convert the block first (into the workspace when given) and work on it in place.
         x = workspace = logits.float() if workspace is None else _into(workspace, logits)
-    x_max = x.amax(-1, keepdim=True).float()
+    x_max = (x.amax(-1, keepdim=True) if row_max is None else row_max).float()
     # Base-2 units of z − max(z) (exp2(c) = exp(z − max), cheaper than exp on CPU and
     # native on GPUs) until the sums are taken.
     centred = _minus(x, _finite_or_zero(x_max), workspace)
@@ -148,6 +152,25 @@ def local_stats(
     if target is not None:
         stats.append(target_stats(logits, target, vocab_start, temperature=temperature))
     return torch.cat(stats, dim=-1)
+
+
+def topk_stats(
+    logits: torch.Tensor,
+    k: int,
+    vocab_start: int,
+    *,
+    temperature: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k part of the statistics, fp32 ``[B, S, 2k]`` ``[candidate z × k, candidate
+    global id × k]``: this shard's top ``k``, and the row max ``[B, S, 1]`` for
+    :func:`local_stats`, which the block maxima give on the way. Traced for Inductor, their
+    max loop is the statistics kernel's; eager kernels select once for all rows."""
+    values, ids, row_max = local_topk(logits, k)
+    values = values.float()
+    if temperature is not None:
+        values = values / temperature.unsqueeze(-1)
+    # Ids travel as fp32 beside the values: exact below 2**24 vocabulary entries.
+    return torch.cat([values, (ids + vocab_start).float()], dim=-1), row_max
 
 
 def target_stats(
@@ -178,32 +201,39 @@ def _local_ids(
     return torch.where(owned, local, 0), owned
 
 
-def local_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits.topk(k)`` (values, local ids) of ``[..., V_local]``, via block maxima.
+def local_topk(
+    logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits.topk(k)`` (values, local ids) of ``[..., V_local]``, via block maxima, and the
+    row max ``[..., 1]`` that the maxima give on the way.
 
     The top k entries of a row lie in its k blocks with the largest maxima (any entry of
     another block is below k distinct block maxima), or in the tail that fills no block.
     So one max-reduction pass and a top-k over the k best blocks' ``k · TOPK_BLOCK``
-    entries replace a selection over the whole vocabulary. Ties may pick other ids of
-    equal value.
+    entries replace a selection over the whole vocabulary. Ties may pick other ids of equal
+    value.
     """
     vocab = logits.shape[-1]
     blocks = vocab // TOPK_BLOCK
     if 4 * k * TOPK_BLOCK > vocab:
-        return logits.topk(k, dim=-1)
+        values, ids = logits.topk(k, dim=-1)
+        return values, ids, logits.amax(-1, keepdim=True)
     full = blocks * TOPK_BLOCK
     # Any partition into blocks works; block j holds entries j, j + blocks, ..., so that the
     # maxima reduce an outer dimension, elementwise across blocks: contiguous blocks cost a
     # horizontal reduction per block (measured 1.5-2x slower in fp32, 2-6x in bf16, eager
     # and compiled).
     maxima = logits[..., :full].unflatten(-1, (TOPK_BLOCK, blocks)).amax(-2)
+    row_max = maxima.amax(-1, keepdim=True)
+    if full < vocab:
+        row_max = torch.maximum(row_max, logits[..., full:].amax(-1, keepdim=True))
     best = maxima.topk(k, dim=-1).indices.unsqueeze(-1)
     offsets = torch.arange(TOPK_BLOCK, device=logits.device) * blocks
     candidates = (best + offsets).flatten(-2)  # [B, S, k · TOPK_BLOCK]
     tail = torch.arange(full, vocab, device=logits.device).expand(*logits.shape[:-1], -1)
     candidates = torch.cat([candidates, tail], dim=-1)
     values, picked = logits.gather(-1, candidates).topk(k, dim=-1)
-    return values, candidates.gather(-1, picked)
+    return values, candidates.gather(-1, picked), row_max
 
 
 def exchange_stats(
@@ -213,14 +243,16 @@ def exchange_stats(
     ignore_index: int | None,
     *,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    topk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-gather this shard's statistics ``[B, S, F]`` over the group (the one collective)
-    and merge every rank's into ``(lse, target_logit, mean_logit)``.
+    and merge every rank's into ``(lse, target_logit, mean_logit, topk_ids)``.
 
     ``lse`` ``[B, S]``; ``target_logit`` ``[B, S, K]`` (0 where the target is ignored;
-    ``K = 0`` without a target); ``mean_logit`` ``[B, S]`` is ``E_softmax[z]`` over the full
-    vocabulary with entropy, else 0. Asserts, without a host sync, that every non-ignored
-    target is owned by exactly one rank.
+    ``K = 0`` without a target), or with ``topk`` the ``z`` of the global top ``topk``,
+    whose ids are ``topk_ids`` ``[B, S, topk]`` (int64, ``topk = 0`` without); ``mean_logit``
+    ``[B, S]`` is ``E_softmax[z]`` over the full vocabulary with entropy, else 0. Asserts,
+    without a host sync, that every non-ignored target is owned by exactly one rank.
     """
     if group_name is None:
         gathered = stats.unsqueeze(0)
@@ -242,10 +274,21 @@ def exchange_stats(
         mean_logit = lse - _mixture_entropy(log_weights, shard_entropy, 0)
     else:
         mean_logit = torch.zeros_like(lse)
-    if target is None:
-        return lse, lse.new_zeros(*lse.shape, 0), mean_logit
-    k = target.shape[-1]
     first = 3 if with_entropy else 2
+    no_ids = torch.zeros(*lse.shape, 0, dtype=torch.int64, device=lse.device)
+    if topk:
+        # [B, S, R · topk]: every rank's candidates, of which the best topk are global.
+        candidates, ids = gathered[..., first:].movedim(0, -2).split(topk, dim=-1)
+        candidates, ids = candidates.flatten(-2), ids.flatten(-2)
+        if gathered.shape[0] > 1:
+            best = candidates.topk(topk, dim=-1).indices
+            candidates, ids = candidates.gather(-1, best), ids.gather(-1, best)
+        else:  # one rank's candidates are sorted already; a fresh tensor, not a view.
+            candidates = candidates.clone(memory_format=torch.contiguous_format)
+        return lse, candidates, mean_logit, ids.long()
+    if target is None:
+        return lse, lse.new_zeros(*lse.shape, 0), mean_logit, no_ids
+    k = target.shape[-1]
     target_logit = gathered[..., first : first + k].sum(0)
     owned_once = gathered[..., first + k : first + 2 * k].sum(0) == 1
     if ignore_index is not None:
@@ -253,7 +296,7 @@ def exchange_stats(
         owned_once = owned_once | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
     torch._assert_async(owned_once.all(), OWNERSHIP_ERROR)
-    return lse, target_logit, mean_logit
+    return lse, target_logit, mean_logit, no_ids
 
 
 def grad_logits(

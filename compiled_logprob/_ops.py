@@ -3,9 +3,11 @@
 Custom ops carry all the vocab-parallel math, with ``z = logits / temperature``:
 
 * ``compiled_logprob::vocab_parallel_stats(logits, target, temperature, *, vocab_start,
-  group_name, ignore_index, with_entropy, chunk_size) -> (lse, target_logit, mean_logit)``:
-  the full-vocabulary logsumexp ``[B, S]``, the targets' logits ``[B, S, K]`` and, with
-  entropy, ``E_softmax[z]`` ``[B, S]``; all fp32. One all-gather of ``[B, S, F]``
+  group_name, ignore_index, with_entropy, topk, chunk_size) -> (lse, target_logit,
+  mean_logit, topk_ids)``: the full-vocabulary logsumexp ``[B, S]``, the targets' logits
+  ``[B, S, K]`` and, with entropy, ``E_softmax[z]`` ``[B, S]``; all fp32. With ``topk`` > 0
+  (and no target) the targets are the global top ``topk``, found in the same pass:
+  ``topk_ids`` ``[B, S, topk]`` (int64) and their logits. One all-gather of ``[B, S, F]``
   statistics per call is the only communication.
 * ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of all three outputs,
   written straight into one gradient buffer of the logits' dtype. No collective.
@@ -70,8 +72,29 @@ def vocab_parallel_stats(
     group_name: str | None,
     ignore_index: int | None,
     with_entropy: bool,
+    topk: int,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert not (topk and target is not None), "the top-k are the targets"
+    extra, row_max = [], None
+    if target is not None:
+        # K entries per row: one gather for all rows, not a few small ops per block.
+        extra = [_math.target_stats(logits, target, vocab_start, temperature=temperature)]
+    elif topk:
+        # One selection for all rows (or per chunk: its block maxima are V_local / 16 per
+        # row); the maxima give the row max and spare the blocks their max pass.
+        step = chunk_size or max(logits.shape[1], 1)
+        parts = [
+            _math.topk_stats(
+                logits[:, start : start + step],
+                topk,
+                vocab_start,
+                temperature=_rows(temperature, slice(start, start + step)),
+            )
+            for start in range(0, max(logits.shape[1], 1), step)
+        ]
+        extra = [torch.cat([candidates for candidates, _ in parts], dim=1)]
+        row_max = torch.cat([row_max for _, row_max in parts], dim=1)
     stats = torch.cat(
         [
             _math.local_stats(
@@ -80,6 +103,7 @@ def vocab_parallel_stats(
                 vocab_start,
                 temperature=_rows(temperature, rows),
                 with_entropy=with_entropy,
+                row_max=_rows(row_max, rows),
                 eager=True,
                 workspace=workspace,
                 spare=spare,
@@ -88,18 +112,26 @@ def vocab_parallel_stats(
         ],
         dim=1,
     )
-    if target is not None:
-        # K entries per row: one gather for all rows, not a few small ops per block.
-        target_stats = _math.target_stats(logits, target, vocab_start, temperature=temperature)
-        stats = torch.cat([stats, target_stats], dim=-1)
-    return _math.exchange_stats(stats, target, group_name, ignore_index, with_entropy=with_entropy)
+    return _math.exchange_stats(
+        torch.cat([stats, *extra], dim=-1),
+        target,
+        group_name,
+        ignore_index,
+        with_entropy=with_entropy,
+        topk=topk,
+    )
 
 
 @vocab_parallel_stats.register_fake
-def _(logits, target, temperature, **options):
+def _(logits, target, temperature, *, topk, **options):
     row = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
-    k = 0 if target is None else target.shape[-1]
-    return row, logits.new_empty(*logits.shape[:-1], k, dtype=torch.float32), torch.empty_like(row)
+    k = topk if target is None else target.shape[-1]
+    return (
+        row,
+        logits.new_empty(*logits.shape[:-1], k, dtype=torch.float32),
+        torch.empty_like(row),
+        logits.new_empty(*logits.shape[:-1], topk, dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats_backward", mutates_args=())
@@ -161,7 +193,9 @@ def _(grad_lse, grad_target_logit, grad_mean_logit, logits, *rest, **options):
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     logits, target, temperature = inputs
-    lse, _, mean_logit = output
+    lse, _, mean_logit, topk_ids = output
+    if keyword_only_inputs["topk"]:
+        target = topk_ids
     ctx.save_for_backward(logits, target, temperature, lse, mean_logit)
     ctx.options = {
         name: keyword_only_inputs[name] for name in ("vocab_start", "ignore_index", "chunk_size")
@@ -169,7 +203,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, grad_lse, grad_target_logit, grad_mean_logit):
+def _backward(ctx, grad_lse, grad_target_logit, grad_mean_logit, _):
     logits, target, temperature, lse, mean_logit = ctx.saved_tensors
     grad = vocab_parallel_stats_backward(
         grad_lse,
@@ -190,12 +224,33 @@ vocab_parallel_stats.register_autograd(_backward, setup_context=_setup_context)
 
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats.default)
 def _decompose_stats(
-    logits, target, temperature, *, vocab_start, group_name, ignore_index, with_entropy, chunk_size
+    logits,
+    target,
+    temperature,
+    *,
+    vocab_start,
+    group_name,
+    ignore_index,
+    with_entropy,
+    topk,
+    chunk_size,
 ):
+    candidates, row_max = None, None
+    if topk:
+        candidates, row_max = _math.topk_stats(logits, topk, vocab_start, temperature=temperature)
     stats = _math.local_stats(
-        logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy
+        logits,
+        target,
+        vocab_start,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        row_max=row_max,
     )
-    return _math.exchange_stats(stats, target, group_name, ignore_index, with_entropy=with_entropy)
+    if topk:
+        stats = torch.cat([stats, candidates], dim=-1)
+    return _math.exchange_stats(
+        stats, target, group_name, ignore_index, with_entropy=with_entropy, topk=topk
+    )
 
 
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats_backward.default)

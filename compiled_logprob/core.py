@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from compiled_logprob import _math, _ops
+from compiled_logprob import _ops
 
 __all__ = [
     "token_logprobs",
@@ -159,26 +159,30 @@ def _stats(
     vocab_start: int = 0,
     ignore_index: int | None = None,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(lse [..., S], target_logit [..., S, K], mean_logit [..., S])`` of ``target [..., S, K]``."""
+    topk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse [..., S], target_logit [..., S, K], mean_logit [..., S], topk_ids [..., S, topk])``
+    of ``target [..., S, K]``, or of the top ``topk`` ids when ``target`` is ``None``."""
     rows_shape = logits.shape[:-1]
     args = (
         _as_batch(logits, 2),
         None if target is None else _as_batch(target, 2),
         _temperature_rows(temperature, rows_shape, logits.device),
     )
-    lse, target_logit, mean_logit = _ops.vocab_parallel_stats(
+    lse, target_logit, mean_logit, topk_ids = _ops.vocab_parallel_stats(
         *args,
         vocab_start=vocab_start,
         group_name=_group_name(group),
         ignore_index=ignore_index,
         with_entropy=with_entropy,
+        topk=topk,
         chunk_size=chunk_size,
     )
     return (
         lse.view(rows_shape),
         target_logit.view(*rows_shape, target_logit.shape[-1]),
         mean_logit.view(rows_shape),
+        topk_ids.view(*rows_shape, topk),
     )
 
 
@@ -225,7 +229,7 @@ def token_logprobs(
     _validate_logits(logits, chunk_size)
     _validate_target(logits, target, vocab_start, ignore_index)
     per_position = target.dim() == logits.dim() - 1
-    lse, target_logit, mean_logit = _stats(
+    lse, target_logit, mean_logit, _ = _stats(
         logits,
         target.unsqueeze(-1) if per_position else target,
         vocab_start=vocab_start,
@@ -259,7 +263,7 @@ def vocab_parallel_logsumexp(
     Eager equivalent: ``torch.logsumexp(full_logits.float() / temperature, -1)``.
     """
     _validate_logits(logits, chunk_size)
-    lse, _, _ = _stats(logits, None, group=group, chunk_size=chunk_size, temperature=temperature)
+    lse, _, _, _ = _stats(logits, None, group=group, chunk_size=chunk_size, temperature=temperature)
     return lse
 
 
@@ -276,7 +280,7 @@ def vocab_parallel_entropy(
     One all-gather of ``[2, ..., S]`` statistics; no collective in backward.
     """
     _validate_logits(logits, chunk_size)
-    lse, _, mean_logit = _stats(
+    lse, _, mean_logit, _ = _stats(
         logits, None, group=group, chunk_size=chunk_size, temperature=temperature, with_entropy=True
     )
     return lse - mean_logit
@@ -297,9 +301,10 @@ def vocab_parallel_topk(
 
     Returns ``(logprobs, ids)``, both ``[..., S, k]``: fp32 log-probs (differentiable with
     respect to ``logits``) and int64 global vocabulary ids, sorted by decreasing probability.
-    Each rank proposes its local top ``k``; one all-gather of the ``[2, ..., S, k]``
-    candidates picks the global ones, and the log-probs come from the same statistics pass as
-    :func:`token_logprobs` (one more all-gather). Requires ``k <= V_local``.
+    Each rank finds its local top ``k`` in the statistics pass of :func:`token_logprobs`
+    (the block maxima that select them also give the row max), and the one all-gather of
+    statistics carries them, so that the global ones are picked after it. Requires
+    ``k <= V_local``.
     """
     _validate_logits(logits, chunk_size)
     if not _is_int(k) or not 1 <= k <= logits.shape[-1]:
@@ -307,26 +312,16 @@ def vocab_parallel_topk(
             f"k must be an int in [1, V_local = {logits.shape[-1]}] (this rank's vocabulary "
             f"slice), got {k!r}"
         )
-    with torch.no_grad():
-        # A positive temperature rescales each row, so it does not change the ranking.
-        values, local_ids = _math.local_topk(logits.detach(), k)
-        candidates = torch.stack([values.float(), (local_ids + vocab_start).float()])
-        group_name = _group_name(group)
-        if group_name is not None:
-            # Ids travel as fp32 beside the values: exact below 2**24 vocabulary entries.
-            gathered = funcol.all_gather_single(candidates, 0, group_name)
-            candidates = gathered.unflatten(0, (-1, 2)).movedim(0, -2).flatten(-2)
-        best = candidates[0].topk(k, dim=-1).indices
-        ids = candidates[1].gather(-1, best).long()
-    logprobs = token_logprobs(
+    lse, top_logits, _, ids = _stats(
         logits,
-        ids,
+        None,
         vocab_start=vocab_start,
         group=group,
         chunk_size=chunk_size,
         temperature=temperature,
+        topk=k,
     )
-    return logprobs, ids
+    return top_logits - lse.unsqueeze(-1), ids
 
 
 def vocab_parallel_log_softmax(

@@ -34,7 +34,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compiled_logprob as cl
-from compiled_logprob import _ops
+from compiled_logprob import _math, _ops
 from compiled_logprob.testing.reference import vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -378,14 +378,22 @@ def _stats_cases():
     two_targets = torch.cat([targets, targets.clamp(min=0).flip(1)], dim=-1)
     all_ignored = torch.full_like(targets, IGNORE)  # the fake group duplicates rows: no owner
     temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
+    # Wide enough for the top-k's block maxima (not the fallback to torch.topk), with a tail.
+    wide_logits, _ = _op_inputs(vocab=4 * 3 * _math.TOPK_BLOCK + 5)
     options = dict(
-        vocab_start=0, group_name=None, ignore_index=None, with_entropy=False, chunk_size=None
+        vocab_start=0,
+        group_name=None,
+        ignore_index=None,
+        with_entropy=False,
+        topk=0,
+        chunk_size=None,
     )
     entropy = {**options, "with_entropy": True}
     chunked = {**options, "chunk_size": 2}
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         leaf = logits.to(dtype).requires_grad_()
+        wide = wide_logits.to(dtype).requires_grad_()
         cases += [
             ((leaf, targets, None), options),
             ((leaf, None, None), options),
@@ -396,6 +404,9 @@ def _stats_cases():
             ((leaf, None, temperature), entropy),
             ((leaf, all_ignored, None), {**entropy, "group_name": "fake", "ignore_index": IGNORE}),
             ((leaf, None, None), {**options, "group_name": "fake"}),
+            ((wide, None, temperature), {**chunked, "topk": 3}),
+            ((leaf, None, None), {**options, "topk": 7}),
+            ((leaf, None, None), {**entropy, "topk": 2, "group_name": "fake"}),
         ]
     return cases
 
@@ -555,9 +566,8 @@ def tp_graph_ops(gloo_pool):
 
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 def test_collectives_per_call(tp_graph_ops, name):
-    # The op is decomposed away (chunked or not); top-k first gathers every rank's candidates.
-    all_gathers = 2 if name == "topk" else 1
-    expected_forward = {"_c10d_functional::all_gather_into_tensor": all_gathers}
+    # The op is decomposed away (chunked or not); top-k candidates travel with the statistics.
+    expected_forward = {"_c10d_functional::all_gather_into_tensor": 1}
     expected_backward = {"_c10d_functional::all_reduce": 1} if name in SHARDED_OUTPUT else {}
     assert tp_graph_ops[name] == {"forward": expected_forward, "backward": expected_backward}
 

@@ -342,7 +342,8 @@ def test_topk(gloo_pool, world):
     seed=st.integers(0, 2**16),
 )
 def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
-    """The block-maxima top-k returns torch.topk's values and distinct ids holding them."""
+    """The block-maxima top-k returns torch.topk's values, distinct ids holding them and the
+    row max."""
     k = min(k, vocab)
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(2, 3, vocab, generator=gen)
@@ -354,9 +355,10 @@ def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
     elif special == "nan":
         logits[0, 1, vocab // 2] = float("nan")
     logits = logits.to(dtype)
-    values, ids = _math.local_topk(logits, k)
+    values, ids, row_max = _math.local_topk(logits, k)
     expected = logits.topk(k, dim=-1).values
     assert torch.equal(values, expected) or torch.allclose(values, expected, equal_nan=True)
+    assert torch.allclose(row_max, logits.amax(-1, keepdim=True), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(logits.gather(-1, ids), values) or special == "nan"
     assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated ids"
 
@@ -364,12 +366,14 @@ def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_local_topk_traced(dtype):
     """Compiled, Inductor's own code for the strided block maxima and the candidate gathers
-    gives the same values as torch.topk, and ids that hold them (ties included)."""
+    gives the same values as torch.topk, ids that hold them (ties included) and the row max."""
     gen = torch.Generator().manual_seed(3)
     vocab = 4 * 8 * _math.TOPK_BLOCK + 17  # past the fallback to torch.topk, with a tail
     logits = torch.randn(2, 5, vocab, generator=gen).mul(2).round().to(dtype)
-    values, ids = torch.compile(_math.local_topk, fullgraph=True, dynamic=False)(logits, 8)
+    traced = torch.compile(_math.local_topk, fullgraph=True, dynamic=False)
+    values, ids, row_max = traced(logits, 8)
     assert torch.equal(values, logits.topk(8, dim=-1).values)
+    assert torch.equal(row_max, logits.amax(-1, keepdim=True))
     assert torch.equal(logits.gather(-1, ids), values)
     assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated ids"
 
