@@ -303,8 +303,9 @@ def vocab_parallel_topk(
     respect to ``logits``) and int64 global vocabulary ids, sorted by decreasing probability.
     Each rank finds its local top ``k`` in the statistics pass of :func:`token_logprobs`
     (the block maxima that select them also give the row max), and the one all-gather of
-    statistics carries them, so that the global ones are picked after it. Requires
-    ``k <= V_local``.
+    statistics carries them, so that the global ones are picked after it. Beyond the
+    plain pass, it keeps one temporary: the block maxima, ``[..., S, V_local / 16]`` (per
+    chunk of ``chunk_size`` positions in eager). Requires ``k <= V_local``.
     """
     _validate_logits(logits, chunk_size)
     if not _is_int(k) or not 1 <= k <= logits.shape[-1]:
