@@ -26,9 +26,10 @@ from torch._inductor.decomposition import register_decomposition
 from compiled_logprob import _math
 
 # Eager kernels walk the sequence in blocks of at least MIN_BLOCK_ELEMENTS elements (or one
-# row), enough to amortise per-op overhead, and at most BLOCKS_PER_CALL blocks per call, so
-# that large logits do not pay thousands of per-op thread wake-ups (CPU) or launches (GPU).
-# A block's fp32 temporaries stay under ~1.6% of the logits (bf16) on large inputs.
+# row), enough to amortise per-op overhead, and at most BLOCKS_PER_CALL blocks per call (per
+# block-sized temporary: two temporaries share the cache), so that large logits do not pay
+# thousands of per-op thread wake-ups (CPU) or launches (GPU). A block's fp32 temporaries
+# stay under ~1.6% of the logits (bf16) on large inputs.
 BLOCKS_PER_CALL = 256
 MIN_BLOCK_ELEMENTS = 1 << 18
 
@@ -41,7 +42,8 @@ def _seq_blocks(
     temporary) of a ``spare`` one, when asked for, which all the blocks reuse."""
     batch, seq_len, vocab = logits.shape
     row = max(1, batch * vocab)
-    block_elements = max(MIN_BLOCK_ELEMENTS, row * seq_len // BLOCKS_PER_CALL)
+    temporaries = max(1, workspace + spare)
+    block_elements = max(MIN_BLOCK_ELEMENTS, row * seq_len // (BLOCKS_PER_CALL * temporaries))
     block = max(1, min(seq_len, block_elements // row, chunk_size or seq_len))
     buffers = logits.new_empty(
         (workspace + spare, batch, min(block, seq_len), vocab), dtype=torch.float32
