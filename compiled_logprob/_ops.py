@@ -9,7 +9,7 @@ Custom ops carry all the vocab-parallel math, with ``z = logits / temperature``:
   (and no target) the targets are the global top ``topk``, found in the same pass:
   ``topk_ids`` ``[B, S, topk]`` (int64) and their logits. One all-gather of ``[B, S, F]``
   statistics per call is the only communication.
-* ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of all three outputs,
+* ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of the three fp32 outputs,
   written straight into one gradient buffer of the logits' dtype. No collective.
 
 Eager kernels walk the sequence in blocks (of at most ``chunk_size`` positions when it is
