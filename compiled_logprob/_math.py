@@ -275,7 +275,6 @@ def exchange_stats(
     else:
         mean_logit = torch.zeros_like(lse)
     first = 3 if with_entropy else 2
-    no_ids = torch.zeros(*lse.shape, 0, dtype=torch.int64, device=lse.device)
     if topk:
         # [B, S, R · topk]: every rank's candidates, of which the best topk are global.
         candidates, ids = gathered[..., first:].movedim(0, -2).split(topk, dim=-1)
@@ -286,6 +285,7 @@ def exchange_stats(
         else:  # one rank's candidates are sorted already; a fresh tensor, not a view.
             candidates = candidates.clone(memory_format=torch.contiguous_format)
         return lse, candidates, mean_logit, ids.long()
+    no_ids = lse.new_zeros(*lse.shape, 0, dtype=torch.int64)
     if target is None:
         return lse, lse.new_zeros(*lse.shape, 0), mean_logit, no_ids
     k = target.shape[-1]
