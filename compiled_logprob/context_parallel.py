@@ -10,10 +10,10 @@ sequence ``i`` at ``[cu[i] / C, cu[i+1] / C)``.
 Every layout is a map ``positions[r, q]`` from (rank, local position) to a position in the
 full row, built on the device by index arithmetic (no host data, so nothing syncs and
 nothing specialises on sequence lengths). A shard is an ``index_select`` of this rank's
-row; the gather is one all-gather followed by an ``index_copy`` to the positions. Its
-backward is the matching ``index_select`` followed by one reduce-scatter (the all-gather's
-own backward), so each rank receives the sum over CP ranks of the upstream gradients at
-its positions.
+row; the gather is one all-gather followed by an ``index_select`` through the inverse
+permutation of the positions. Its backward is that ``index_select``'s (an ``index_add``)
+followed by one reduce-scatter (the all-gather's own backward), so each rank receives the
+sum over CP ranks of the upstream gradients at its positions.
 
 Shape legend: ``B`` batch, ``S`` full sequence, ``C`` CP ranks, ``L`` this rank's part of
 the (padded) sequence, ``T`` tokens of a packed row, ``V_local`` this rank's vocabulary
@@ -168,8 +168,12 @@ def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_i
 
 
 def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
-    if not isinstance(seq_index, torch.Tensor) or seq_index.is_floating_point():
-        raise TypeError(f"seq_index must be an integer tensor, got {seq_index!r:.80}")
+    if not isinstance(seq_index, torch.Tensor) or seq_index.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        got = getattr(seq_index, "dtype", type(seq_index).__name__)
+        raise TypeError(f"seq_index must be an int32 or int64 tensor, got {got}")
     if seq_index.shape != (full_len,):
         raise ValueError(
             f"seq_index has shape {tuple(seq_index.shape)}, expected ({full_len},): one natural "
@@ -177,6 +181,12 @@ def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor)
         )
     if seq_index.device != like.device:
         raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
+    natural = torch.arange(full_len, device=seq_index.device)
+    torch._assert_async(
+        (seq_index.sort().values == natural).all(),
+        "seq_index must be a permutation of 0 .. CP size x local length - 1 (each natural "
+        "position exactly once)",
+    )
 
 
 def _local_temperature(
@@ -296,18 +306,18 @@ def _cp_logprobs(
         padded = F.pad(per_position, (0, padded_len - per_position.shape[-1]), value=fill)
         return padded.index_select(-1, positions[rank])
 
-    # NeMo's shift: position t scores token t + 1; the last position's target is dropped.
-    # Padding positions score token 0 at temperature 1; their results are cut off below.
+    # NeMo's shift: position t scores token t + 1. The last position and the padding score
+    # token 0 at temperature 1 (whatever input_ids hold), and are cut off below.
     result = _local_logprobs(
         local_fn,
-        this_rank(input_ids.roll(-1, -1), 0),
+        this_rank(input_ids[..., 1:], 0),
         temperature=_local_temperature(
             temperature, input_ids[..., 1:].shape, lambda t: this_rank(t, 1)
         ),
         return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
-    result = _gather_to_positions(result, positions, group_name, -1)[..., : seq_len - 1]
+    result = _gather_to_positions(result, positions, group_name, -1)[..., : max(seq_len - 1, 0)]
     return _split(result, return_entropy)
 
 
@@ -440,12 +450,16 @@ def _packed_cp_logprobs(
     ranks = torch.arange(size, device=shard.device).unsqueeze(-1)
     positions = _load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
     mine = positions[rank]
-    next_pos = torch.where(mine + 1 < end, mine + 1, start)  # roll within each sequence
+    # Position t scores token t + 1 of its sequence; a sequence's last position scores token
+    # 0 (dropped below). The clamps keep indices in range even where cu_seqlens_padded is
+    # malformed, so that the device-side check above is what reports it.
+    has_next = mine + 1 < end
+    next_ids = input_ids.index_select(-1, (mine + 1).clamp(0, max(total - 1, 0)))
     # Output column of each local position; columns past the output get temperature 1.
-    out_column = (mine - start).clamp(max=max_seqlen - 1)
+    out_column = (mine - start).clamp(0, max_seqlen - 1)
     result = _local_logprobs(
         local_fn,
-        input_ids.index_select(-1, next_pos),
+        torch.where(has_next, next_ids, 0),
         temperature=_local_temperature(
             temperature,
             (batch, max_seqlen - 1),
@@ -455,8 +469,9 @@ def _packed_cp_logprobs(
     )
     group_name = None if size == 1 else cp_group.group_name
     packed = _gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
+    packed = F.pad(packed, (0, 1))  # a 0 at T for the columns past a sequence (or T = 0)
 
     column = torch.arange(max_seqlen - 1, device=shard.device)
-    source = (cu[:-1].unsqueeze(-1) + column).clamp(max=total - 1)  # [B, max_seqlen - 1]
+    source = (cu[:-1].unsqueeze(-1) + column).clamp(0, total)  # [B, max_seqlen - 1]
     keep = column < (cu[1:] - cu[:-1] - 1).unsqueeze(-1)
     return _split(torch.where(keep, packed[..., source], 0.0), return_entropy)

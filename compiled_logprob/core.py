@@ -14,6 +14,8 @@ in CUDA graphs) and needs no ``torch.distributed`` at all when ``group`` is ``No
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -56,8 +58,18 @@ def _as_batch(tensor: torch.Tensor, kept_dims: int) -> torch.Tensor:
     return tensor.flatten(0, -kept_dims - 1)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _as_int(value: object, name: str, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int, for an op's int argument: ints and integer scalars (numpy's
+    too), not bools, floats or tensors (a tensor would be read on the host)."""
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
+        hint = "; pass a Python int (a tensor would be read on the host)"
+        raise TypeError(f"{name} must be an int, got {value!r:.80}" + hint * isinstance(value, torch.Tensor))
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {value}")
+    return value
 
 
 def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
@@ -77,8 +89,8 @@ def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
             f"this rank's vocabulary shard is empty (logits shape {tuple(logits.shape)}): shard a "
             "vocabulary over at most V ranks"
         )
-    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if chunk_size is not None:
+        _as_int(chunk_size, "chunk_size", minimum=1)
 
 
 def _validate_token_ids(ids: torch.Tensor, name: str) -> None:
@@ -110,11 +122,15 @@ def _validate_target(
             f"target is on {target.device} but logits are on {logits.device}; "
             "move both to the same device"
         )
-    if not _is_int(vocab_start) or vocab_start < 0:
-        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
-    # A tensor would be read on the host by the op's int argument.
-    if ignore_index is not None and not _is_int(ignore_index):
-        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    _as_int(vocab_start, "vocab_start", minimum=0)
+    if ignore_index is not None:
+        ignore_index = _as_int(ignore_index, "ignore_index")
+        info = torch.iinfo(target.dtype)
+        if not info.min <= ignore_index <= info.max:
+            raise ValueError(
+                f"ignore_index={ignore_index} does not fit the target's dtype {target.dtype} "
+                f"(it would wrap around and ignore another id): pass target.long()"
+            )
 
 
 def _temperature_rows(
@@ -308,7 +324,7 @@ def vocab_parallel_topk(
     chunk of ``chunk_size`` positions in eager). Requires ``k <= V_local``.
     """
     _validate_logits(logits, chunk_size)
-    if not _is_int(k) or not 1 <= k <= logits.shape[-1]:
+    if _as_int(k, "k") not in range(1, logits.shape[-1] + 1):
         raise ValueError(
             f"k must be an int in [1, V_local = {logits.shape[-1]}] (this rank's vocabulary "
             f"slice), got {k!r}"
