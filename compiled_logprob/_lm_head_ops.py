@@ -1,11 +1,12 @@
 """Op registrations for token log-probs straight from hidden states (no logits tensor).
 
 * ``compiled_logprob::lm_head_stats(hidden, weight, target, *, vocab_start, group_name,
-  ignore_index, temperature, chunk_size, with_entropy) -> (lse, target_logit, mean_logit)``:
-  per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``, its per-row
-  statistics and the target's logit; one all-gather of the ``[B, S, F]`` statistics of the
-  whole call over the TP group. ``mean_logit`` is ``E_softmax[z]`` (for the entropy
-  ``lse − E[z]``) when ``with_entropy``, else 0. All fp32 ``[B, S]``.
+  ignore_index, temperature, chunk_size, with_entropy) -> (shift, log_total, target_logit,
+  entropy)``: per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``,
+  its per-row statistics and the target's logit; one all-gather of the ``[B, S, F]``
+  statistics of the whole call over the TP group. The outputs are
+  ``_math.exchange_stats``'s (the log-prob is ``target_logit − log_total``; ``shift`` is
+  not differentiable); the entropy is 0 without ``with_entropy``. All fp32 ``[B, S]``.
 * ``compiled_logprob::lm_head_stats_backward``: recomputes each tile, forms its gradient with
   ``_math.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
   (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
@@ -64,7 +65,7 @@ def lm_head_stats(
     temperature: float,
     chunk_size: int | None,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = _temperature(hidden, temperature)
     targets = target.unsqueeze(-1)
     stats = [
@@ -78,16 +79,21 @@ def lm_head_stats(
         )
         for rows in _chunks(hidden, weight, chunk_size)
     ]
-    lse, target_logit, mean_logit, _ = _math.exchange_stats(
-        torch.cat(stats, dim=1), targets, group_name, ignore_index, with_entropy=with_entropy
+    shift, log_total, target_logit, entropy, _ = _math.exchange_stats(
+        torch.cat(stats, dim=1),
+        targets,
+        group_name,
+        ignore_index,
+        temperature=scale,
+        with_entropy=with_entropy,
     )
-    return lse, target_logit.squeeze(-1), mean_logit
+    return shift, log_total, target_logit.squeeze(-1), entropy
 
 
 @lm_head_stats.register_fake
 def _(hidden, weight, target, **options):
     row = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
-    return row, torch.empty_like(row), torch.empty_like(row)
+    return row, torch.empty_like(row), torch.empty_like(row), torch.empty_like(row)
 
 
 def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -100,14 +106,15 @@ def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats_backward", mutates_args=())
 def lm_head_stats_backward(
-    grad_lse: torch.Tensor,
+    grad_log_total: torch.Tensor,
     grad_target_logit: torch.Tensor,
-    grad_mean_logit: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
-    mean_logit: torch.Tensor,
+    shift: torch.Tensor,
+    log_total: torch.Tensor,
+    entropy: torch.Tensor,
     *,
     vocab_start: int,
     group_name: str | None,
@@ -124,16 +131,17 @@ def lm_head_stats_backward(
     )
     for rows in _chunks(hidden, weight, chunk_size):
         grad = _math.grad_logits(
-            grad_lse[:, rows],
+            grad_log_total[:, rows],
             grad_target_logit[:, rows],
             _logits(hidden[:, rows], weight),
             targets[:, rows],
-            lse[:, rows],
+            shift[:, rows],
+            log_total[:, rows],
             vocab_start,
             ignore_index,
             temperature=None if scale is None else scale[:, rows],
-            grad_mean_logit=None if grad_mean_logit is None else grad_mean_logit[:, rows],
-            mean_logit=mean_logit[:, rows],
+            grad_entropy=None if grad_entropy is None else grad_entropy[:, rows],
+            entropy=entropy[:, rows],
             eager=True,
         ).to(hidden.dtype)
         grad_hidden[:, rows] = grad @ weight
@@ -144,7 +152,7 @@ def lm_head_stats_backward(
 
 
 @lm_head_stats_backward.register_fake
-def _(grad_lse, grad_target_logit, grad_mean_logit, hidden, weight, target, lse, mean_logit, **options):
+def _(grad_log_total, grad_target_logit, grad_entropy, hidden, weight, *rest, **options):
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
@@ -153,8 +161,9 @@ def _(grad_lse, grad_target_logit, grad_mean_logit, hidden, weight, target, lse,
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, target = inputs
-    lse, _, mean_logit = output
-    ctx.save_for_backward(hidden, weight, target, lse, mean_logit)
+    shift, log_total, _, entropy = output
+    ctx.mark_non_differentiable(shift)  # as in _ops: the other outputs are invariant to it
+    ctx.save_for_backward(hidden, weight, target, shift, log_total, entropy)
     ctx.options = {
         name: keyword_only_inputs[name]
         for name in ("vocab_start", "group_name", "ignore_index", "temperature", "chunk_size")
@@ -162,17 +171,18 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, grad_lse, grad_target_logit, grad_mean_logit):
-    hidden, weight, target, lse, mean_logit = ctx.saved_tensors
+def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
+    hidden, weight, target, shift, log_total, entropy = ctx.saved_tensors
     grad_hidden, grad_weight = lm_head_stats_backward(
-        grad_lse,
+        grad_log_total,
         grad_target_logit,
-        grad_mean_logit if ctx.with_entropy else None,
+        grad_entropy if ctx.with_entropy else None,
         hidden,
         weight,
         target,
-        lse,
-        mean_logit,
+        shift,
+        log_total,
+        entropy,
         **ctx.options,
     )
     return grad_hidden, grad_weight, None

@@ -12,9 +12,11 @@ formed: the temperature folds into the one per-row multiply that every pass does
 
 Statistics of one shard, ``[B, S, F]``, are raw sums, so that one loop over the logits
 produces them all and the logs and divisions wait until after the exchange:
-``[max, Σ exp(z − max), Σ exp(z − max)·(z − max) (with entropy), target_logit × K,
-owned × K]``, or with a top-k, ``[..., candidate z × k, candidate global id × k]`` in place
-of the target's part. The statistics are the last dimension because Inductor's CPU code
+``[max x, Σ exp(z − max z), Σ exp(z − max z)·(z − max z) (with entropy), x_target × K,
+owned × K]``, or with a top-k, ``[..., candidate x × k, candidate global id × k]`` in place
+of the target's part. Maxima and logits travel unscaled (``x``, not ``z``): after the
+exchange, ``(x − shift) / temperature`` with ``shift`` the row's max is exact up to one
+rounding, so that log-probs keep their precision however large the logits are. The statistics are the last dimension because Inductor's CPU code
 generator keeps a per-row epilogue in the reductions' loop only when it walks the rows
 one at a time; ``[F, B, S]`` made it vectorise the epilogue across rows and split the
 kernel into one pass over the logits per reduction.
@@ -118,7 +120,7 @@ def local_stats(
     """This shard's raw statistics, fp32 ``[B, S, F]`` (layout in the module docstring; the
     top-k part is :func:`topk_stats`'s).
 
-    ``target_logit`` is ``z`` at the target where this shard owns it (0 elsewhere), and
+    ``x_target`` is the logit at the target where this shard owns it (0 elsewhere), and
     ``owned`` is 1.0 there. ``logits`` ``[B, S, V_local]``, ``target`` ``[B, S, K]`` global
     vocabulary ids. ``row_max`` ``[B, S, 1]``: the logits' max per row when the caller has it
     already (:func:`topk_stats` does). ``eager`` (op-by-op calls) updates fresh temporaries
@@ -135,7 +137,6 @@ def local_stats(
     # native on GPUs) until the sums are taken.
     centred = _minus(x, _finite_or_zero(x_max), workspace)
     centred = _inplace(eager, centred, "mul", _log2_scale(temperature))
-    row_max = x_max if temperature is None else x_max / temperature.unsqueeze(-1)
     if with_entropy:
         exps = centred.exp2() if spare is None else torch.exp2(centred, out=spare)
         # 2^c · c is NaN where c = -inf (vocabulary padding), for a term that is 0.
@@ -146,47 +147,32 @@ def local_stats(
         else:
             # Inductor's nansum splits the loop; a floor on c does it (2^c is 0 already).
             weighted = (centred.clamp(min=_LOG2_FLOOR) * exps).sum(-1, keepdim=True)
-        stats = [row_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
+        stats = [x_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
     else:
-        stats = [row_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
+        stats = [x_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
     if target is not None:
-        stats.append(target_stats(logits, target, vocab_start, temperature=temperature))
+        stats.append(target_stats(logits, target, vocab_start))
     return torch.cat(stats, dim=-1)
 
 
 def topk_stats(
-    logits: torch.Tensor,
-    k: int,
-    vocab_start: int,
-    *,
-    temperature: torch.Tensor | None = None,
+    logits: torch.Tensor, k: int, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k part of the statistics, fp32 ``[B, S, 2k]`` ``[candidate z × k, candidate
+    """The top-k part of the statistics, fp32 ``[B, S, 2k]`` ``[candidate x × k, candidate
     global id × k]``: this shard's top ``k``, and the row max ``[B, S, 1]`` for
     :func:`local_stats`, which the block maxima give on the way. Traced for Inductor, their
     max loop is the statistics kernel's; eager kernels select once for all rows."""
     values, ids, row_max = local_topk(logits, k)
-    values = values.float()
-    if temperature is not None:
-        values = values / temperature.unsqueeze(-1)
     # Ids travel as fp32 beside the values: exact below 2**24 vocabulary entries.
-    return torch.cat([values, (ids + vocab_start).float()], dim=-1), row_max
+    return torch.cat([values.float(), (ids + vocab_start).float()], dim=-1), row_max
 
 
-def target_stats(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    vocab_start: int,
-    *,
-    temperature: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The ``[target_logit × K, owned × K]`` part of :func:`local_stats`, fp32
-    ``[B, S, 2K]``: a gather of K entries per row, which eager kernels do once for all rows
-    rather than block by block."""
+def target_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """The ``[x_target × K, owned × K]`` part of :func:`local_stats`, fp32 ``[B, S, 2K]``: a
+    gather of K entries per row, which eager kernels do once for all rows rather than block
+    by block."""
     index, owned = _local_ids(target, vocab_start, logits.shape[-1])
     picked = logits.gather(-1, index).float()
-    if temperature is not None:
-        picked = picked / temperature.unsqueeze(-1)
     return torch.cat([torch.where(owned, picked, 0.0), owned.float()], dim=-1)
 
 
@@ -242,17 +228,21 @@ def exchange_stats(
     group_name: str | None,
     ignore_index: int | None,
     *,
+    temperature: torch.Tensor | None = None,
     with_entropy: bool = False,
     topk: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-gather this shard's statistics ``[B, S, F]`` over the group (the one collective)
-    and merge every rank's into ``(lse, target_logit, mean_logit, topk_ids)``.
+    and merge every rank's into ``(shift, log_total, target_logit, entropy, topk_ids)``.
 
-    ``lse`` ``[B, S]``; ``target_logit`` ``[B, S, K]`` (0 where the target is ignored;
-    ``K = 0`` without a target), or with ``topk`` the ``z`` of the global top ``topk``,
-    whose ids are ``topk_ids`` ``[B, S, topk]`` (int64, ``topk = 0`` without); ``mean_logit``
-    ``[B, S]`` is ``E_softmax[z]`` over the full vocabulary with entropy, else 0. Asserts,
-    without a host sync, that every non-ignored target is owned by exactly one rank.
+    ``shift`` ``[B, S]`` is the row's max logit over the full vocabulary, unscaled (0 where it
+    is infinite), and ``log_total`` ``[B, S]`` is ``log Σ exp(z − shift / temperature)``, so
+    that ``lse = shift / temperature + log_total``. ``target_logit`` ``[B, S, K]`` is the
+    targets' ``z − shift / temperature`` (0 where ignored; ``K = 0`` without a target), or
+    with ``topk`` that of the global top ``topk``, whose ids are ``topk_ids`` ``[B, S, topk]``
+    (int64, ``topk = 0`` without); a log-prob is ``target_logit − log_total``, each term
+    rounded once. ``entropy`` ``[B, S]`` is the full vocabulary's with entropy, else 0.
+    Asserts, without a host sync, that every non-ignored target is owned by exactly one rank.
     """
     if group_name is None:
         gathered = stats.unsqueeze(0)
@@ -260,20 +250,27 @@ def exchange_stats(
         gathered = funcol.all_gather_single(stats, 0, group_name)
         gathered = gathered.unflatten(0, (-1, stats.shape[0]))  # [R, B, S, F]
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
-    top = _finite_or_zero(row_max.amax(0))
-    # Each shard summed exp(z − its own max); rescale to the common max. A -inf shard's
+    shift = _finite_or_zero(row_max.amax(0))
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    # Each shard summed exp(z − its own max); rescale to the common shift. A -inf shard's
     # factor is exp(-inf) = 0, whatever the shift it summed with.
-    shard_mass = sum_exp * torch.exp(row_max - top)
+    shard_mass = sum_exp * torch.exp((row_max - shift) * inverse_t)
     total = shard_mass.sum(0)
-    lse = torch.log(total) + top
+    log_total = torch.log(total)
     if with_entropy:
         # The full softmax is the mixture of the shards' softmaxes, with weights
         # shard_mass / total; a shard's entropy is log Σe − Σe·c / Σe (c = z − max ≤ 0).
         shard_entropy = torch.log(sum_exp) - gathered[..., 2] / sum_exp
-        log_weights = torch.log(shard_mass) - torch.log(total)
-        mean_logit = lse - _mixture_entropy(log_weights, shard_entropy, 0)
+        log_weights = torch.log(shard_mass) - log_total
+        entropy = _mixture_entropy(log_weights, shard_entropy, 0)
     else:
-        mean_logit = torch.zeros_like(lse)
+        entropy = torch.zeros_like(log_total)
+
+    def shifted(logits: torch.Tensor) -> torch.Tensor:
+        return (logits - shift.unsqueeze(-1)) * (
+            inverse_t if temperature is None else inverse_t.unsqueeze(-1)
+        )
+
     first = 3 if with_entropy else 2
     if topk:
         # [B, S, R · topk]: every rank's candidates, of which the best topk are global.
@@ -282,46 +279,47 @@ def exchange_stats(
         if gathered.shape[0] > 1:
             best = candidates.topk(topk, dim=-1).indices
             candidates, ids = candidates.gather(-1, best), ids.gather(-1, best)
-        else:  # one rank's candidates are sorted already; a fresh tensor, not a view.
-            candidates = candidates.clone(memory_format=torch.contiguous_format)
-        return lse, candidates, mean_logit, ids.long()
-    no_ids = lse.new_zeros(*lse.shape, 0, dtype=torch.int64)
+        return shift, log_total, shifted(candidates), entropy, ids.long()
+    no_ids = log_total.new_zeros(*log_total.shape, 0, dtype=torch.int64)
     if target is None:
-        return lse, lse.new_zeros(*lse.shape, 0), mean_logit, no_ids
+        return shift, log_total, log_total.new_zeros(*log_total.shape, 0), entropy, no_ids
     k = target.shape[-1]
-    target_logit = gathered[..., first : first + k].sum(0)
+    target_logit = shifted(gathered[..., first : first + k].sum(0))
     owned_once = gathered[..., first + k : first + 2 * k].sum(0) == 1
     if ignore_index is not None:
         ignored = target == ignore_index
         owned_once = owned_once | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
     torch._assert_async(owned_once.all(), OWNERSHIP_ERROR)
-    return lse, target_logit, mean_logit, no_ids
+    return shift, log_total, target_logit, entropy, no_ids
 
 
 def grad_logits(
-    grad_lse: torch.Tensor,
+    grad_log_total: torch.Tensor,
     grad_target_logit: torch.Tensor,
     logits: torch.Tensor,
     target: torch.Tensor | None,
-    lse: torch.Tensor,
+    shift: torch.Tensor,
+    log_total: torch.Tensor,
     vocab_start: int,
     ignore_index: int | None,
     *,
     temperature: torch.Tensor | None = None,
-    grad_mean_logit: torch.Tensor | None = None,
-    mean_logit: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
     eager: bool = False,
     workspace: torch.Tensor | None = None,
     spare: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``d(lse, target_logit, mean_logit)/d logits`` applied to the incoming gradients,
-    ``[B, S, V_local]``, formed in fp32 and rounded once.
+    """``d(log_total, target_logit, entropy)/d logits`` (as :func:`exchange_stats` returns
+    them) applied to the incoming gradients, ``[B, S, V_local]``, formed in fp32 and rounded
+    once.
 
-    With ``p = softmax(z)``: ``d lse/dz = p``, ``d target_logit_k/dz = onehot(target_k)``,
-    ``d E_p[z]/dz = p · (1 + z − E_p[z])``, and ``dz/d logits = 1 / temperature``. For a
-    token log-prob (``g_lse = −g``, ``g_target = g``) this is ``g · (onehot − p)``. Rows whose
-    targets are all ignored get exactly 0, whatever their logits hold.
+    With ``p = softmax(z)``, and ``shift`` a constant: ``d log_total/dz = p``,
+    ``d target_logit_k/dz = onehot(target_k)``, ``d H/dz = −p · (log p + H)``, and
+    ``dz/d logits = 1 / temperature``. For a token log-prob (``g_log_total = −g``,
+    ``g_target = g``) this is ``g · (onehot − p)``. Rows whose targets are all ignored get
+    exactly 0, whatever their logits hold.
 
     ``eager`` (op-by-op calls on a block): the fp32 block (in ``workspace``, and ``spare``
     with entropy, when given), updated in place, with the one-hot terms scatter-added; the
@@ -332,11 +330,12 @@ def grad_logits(
     """
     softmax_terms = functools.partial(
         _softmax_terms,
-        lse=lse,
+        shift=shift,
+        log_total=log_total,
         temperature=temperature,
-        grad_lse=grad_lse,
-        grad_mean_logit=grad_mean_logit,
-        mean_logit=mean_logit,
+        grad_log_total=grad_log_total,
+        grad_entropy=grad_entropy,
+        entropy=entropy,
     )
     grad = softmax_terms(_promoted(logits), eager=eager, workspace=workspace, spare=spare)
     if target is None:
@@ -368,13 +367,14 @@ def target_terms(
     """The one-hot terms of :func:`grad_logits`: ``(index, grad_target, all_ignored)``, the
     ids' local index ``[B, S, K]`` (0 where not owned), the gradient to add there (0 where
     not owned or ignored) and the rows whose targets are all ignored ``[B, S, 1]`` (``None``
-    without ``ignore_index``). Eager kernels form them once for all rows."""
+    without ``ignore_index`` or without targets, K = 0). Eager kernels form them once for all
+    rows."""
     index, owned = _local_ids(target, vocab_start, vocab)
+    all_ignored = None
     if ignore_index is not None:
         owned = owned & (target != ignore_index)
-        all_ignored = (target == ignore_index).all(-1, keepdim=True)
-    else:
-        all_ignored = None
+        if target.shape[-1]:
+            all_ignored = (target == ignore_index).all(-1, keepdim=True)
     grad_target = torch.where(owned, grad_target_logit, 0.0)
     if temperature is not None:
         grad_target = grad_target * (1.0 / temperature.unsqueeze(-1))
@@ -394,32 +394,32 @@ def add_target_terms_(
 
 
 def _softmax_terms(
-    x, *, lse, temperature, grad_lse, grad_mean_logit, mean_logit, eager, workspace=None, spare=None
+    x, *, shift, log_total, temperature, grad_log_total, grad_entropy, entropy, eager,
+    workspace=None, spare=None
 ):
-    """fp32 ``p · (g_lse + g_E · (1 + z − E)) / temperature`` (``g_E`` term only with entropy)
+    """fp32 ``p · (g_lt − g_H · (H + log p)) / temperature`` (``g_H`` term only with entropy)
     for logits ``x`` ``[B, S, *]`` of any width: the whole vocabulary, or a few gathered
     entries.
 
-    Everything is in base-2 units ``c = log2 p = (x − lse · T) · log2 e / T``, one
-    subtraction and one multiply per entry, and ``1 + z − E = 1 + (lse − E) + c · ln 2``
-    reuses ``c``: the entropy adds a multiply-add of ``c`` with per-row constants.
+    Everything is in base-2 units ``c = log2 p = (x − shift) · log2 e / T − log_total · log2 e``:
+    the subtraction of the (unscaled) row max is exact where it matters, so ``p`` keeps its
+    precision however large the logits are. The entropy adds a multiply-add of ``c`` with
+    per-row constants.
     """
-    if temperature is None:
-        shift, inverse_t = lse.unsqueeze(-1), 1.0
-    else:
-        shift, inverse_t = (lse * temperature).unsqueeze(-1), 1.0 / temperature.unsqueeze(-1)
-    log2_probs = _inplace(eager, _minus(x, shift, workspace), "mul", _log2_scale(temperature))
-    if grad_mean_logit is None:
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
+    centred = _minus(x, shift.unsqueeze(-1), workspace)
+    log2_probs = _inplace(eager, centred, "mul", _log2_scale(temperature))
+    log2_probs = _inplace(eager, log2_probs, "sub", (log_total * _LOG2_E).unsqueeze(-1))
+    if grad_entropy is None:
         probs = _inplace(eager, log2_probs, "exp2")
-        return _inplace(eager, probs, "mul", grad_lse.unsqueeze(-1) * inverse_t)
+        return _inplace(eager, probs, "mul", grad_log_total.unsqueeze(-1) * inverse_t)
     # The floor keeps the weight finite, so that entries of p = 0 (-inf logits, vocabulary
     # padding) get 0 · weight = 0, not NaN.
     log2_probs = _inplace(eager, log2_probs, "clamp", min=_LOG2_FLOOR)
     probs = log2_probs.exp2() if spare is None else torch.exp2(log2_probs, out=spare)
-    grad_mean = grad_mean_logit.unsqueeze(-1)
-    entropy = (lse - mean_logit).unsqueeze(-1)
-    offset = (grad_lse.unsqueeze(-1) + grad_mean * (1.0 + entropy)) * inverse_t
-    weight = _inplace(eager, log2_probs, "mul", grad_mean * (_LN_2 * inverse_t))
+    grad_entropy = grad_entropy.unsqueeze(-1)
+    offset = (grad_log_total.unsqueeze(-1) - grad_entropy * entropy.unsqueeze(-1)) * inverse_t
+    weight = _inplace(eager, log2_probs, "mul", grad_entropy * (-_LN_2 * inverse_t))
     return _inplace(eager, _inplace(eager, weight, "add", offset), "mul", probs)
 
 

@@ -3,14 +3,17 @@
 Custom ops carry all the vocab-parallel math, with ``z = logits / temperature``:
 
 * ``compiled_logprob::vocab_parallel_stats(logits, target, temperature, *, vocab_start,
-  group_name, ignore_index, with_entropy, topk, chunk_size) -> (lse, target_logit,
-  mean_logit, topk_ids)``: the full-vocabulary logsumexp ``[B, S]``, the targets' logits
-  ``[B, S, K]`` and, with entropy, ``E_softmax[z]`` ``[B, S]``; all fp32. With ``topk`` > 0
-  (and no target) the targets are the global top ``topk``, found in the same pass:
-  ``topk_ids`` ``[B, S, topk]`` (int64) and their logits. One all-gather of ``[B, S, F]``
-  statistics per call is the only communication.
-* ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of the three fp32 outputs,
-  written straight into one gradient buffer of the logits' dtype. No collective.
+  group_name, ignore_index, with_entropy, topk, chunk_size) -> (shift, log_total,
+  target_logit, entropy, topk_ids)``: the full vocabulary's row max ``shift`` ``[B, S]``
+  (unscaled; not differentiable) and ``log_total = lse − shift / temperature`` ``[B, S]``,
+  the targets' ``z − shift / temperature`` ``[B, S, K]`` and, with entropy, the entropy
+  ``[B, S]``; all fp32 (see ``_math.exchange_stats``). With ``topk`` > 0 (and no target)
+  the targets are the global top ``topk``, found in the same pass: ``topk_ids``
+  ``[B, S, topk]`` (int64) and their logits. One all-gather of ``[B, S, F]`` statistics per
+  call is the only communication.
+* ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of the three
+  differentiable fp32 outputs, written straight into one gradient buffer of the logits'
+  dtype. No collective.
 
 Eager kernels walk the sequence in blocks (of at most ``chunk_size`` positions when it is
 given) so that no temporary outgrows a block. Under Inductor both ops decompose into the
@@ -76,23 +79,18 @@ def vocab_parallel_stats(
     with_entropy: bool,
     topk: int,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert not (topk and target is not None), "the top-k are the targets"
     extra, row_max = [], None
     if target is not None:
         # K entries per row: one gather for all rows, not a few small ops per block.
-        extra = [_math.target_stats(logits, target, vocab_start, temperature=temperature)]
+        extra = [_math.target_stats(logits, target, vocab_start)]
     elif topk:
         # One selection for all rows (or per chunk: its block maxima are V_local / 16 per
         # row); the maxima give the row max and spare the blocks their max pass.
         step = chunk_size or max(logits.shape[1], 1)
         parts = [
-            _math.topk_stats(
-                logits[:, start : start + step],
-                topk,
-                vocab_start,
-                temperature=_rows(temperature, slice(start, start + step)),
-            )
+            _math.topk_stats(logits[:, start : start + step], topk, vocab_start)
             for start in range(0, max(logits.shape[1], 1), step)
         ]
         extra = [torch.cat([candidates for candidates, _ in parts], dim=1)]
@@ -119,6 +117,7 @@ def vocab_parallel_stats(
         target,
         group_name,
         ignore_index,
+        temperature=temperature,
         with_entropy=with_entropy,
         topk=topk,
     )
@@ -130,6 +129,7 @@ def _(logits, target, temperature, *, topk, **options):
     k = topk if target is None else target.shape[-1]
     return (
         row,
+        torch.empty_like(row),
         logits.new_empty(*logits.shape[:-1], k, dtype=torch.float32),
         torch.empty_like(row),
         logits.new_empty(*logits.shape[:-1], topk, dtype=torch.int64),
@@ -138,14 +138,15 @@ def _(logits, target, temperature, *, topk, **options):
 
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats_backward", mutates_args=())
 def vocab_parallel_stats_backward(
-    grad_lse: torch.Tensor,
+    grad_log_total: torch.Tensor,
     grad_target_logit: torch.Tensor,
-    grad_mean_logit: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
     target: torch.Tensor | None,
     temperature: torch.Tensor | None,
-    lse: torch.Tensor,
-    mean_logit: torch.Tensor,
+    shift: torch.Tensor,
+    log_total: torch.Tensor,
+    entropy: torch.Tensor,
     *,
     vocab_start: int,
     ignore_index: int | None,
@@ -156,7 +157,7 @@ def vocab_parallel_stats_backward(
     # fp32, else in a workspace, rounded once by the copy into the gradient.
     in_grad = grad.dtype == torch.float32
     blocks = _seq_blocks(
-        logits, chunk_size, workspace=not in_grad, spare=grad_mean_logit is not None
+        logits, chunk_size, workspace=not in_grad, spare=grad_entropy is not None
     )
     one_hot = None
     if target is not None:
@@ -167,16 +168,17 @@ def vocab_parallel_stats_backward(
     for rows, workspace, spare in blocks:
         out = grad[:, rows]
         block = _math.grad_logits(
-            grad_lse[:, rows],
+            grad_log_total[:, rows],
             grad_target_logit[:, rows],
             logits[:, rows],
             None,
-            lse[:, rows],
+            shift[:, rows],
+            log_total[:, rows],
             vocab_start,
             ignore_index,
             temperature=_rows(temperature, rows),
-            grad_mean_logit=_rows(grad_mean_logit, rows),
-            mean_logit=mean_logit[:, rows],
+            grad_entropy=_rows(grad_entropy, rows),
+            entropy=entropy[:, rows],
             eager=True,
             workspace=out if in_grad else workspace,
             spare=spare,
@@ -189,33 +191,37 @@ def vocab_parallel_stats_backward(
 
 
 @vocab_parallel_stats_backward.register_fake
-def _(grad_lse, grad_target_logit, grad_mean_logit, logits, *rest, **options):
+def _(grad_log_total, grad_target_logit, grad_entropy, logits, *rest, **options):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     logits, target, temperature = inputs
-    lse, _, mean_logit, topk_ids = output
+    shift, log_total, _, entropy, topk_ids = output
+    # The shift only centres the others, which are invariant to it: they carry all the
+    # gradient, with the shift held constant.
+    ctx.mark_non_differentiable(shift)
     if keyword_only_inputs["topk"]:
         target = topk_ids
-    ctx.save_for_backward(logits, target, temperature, lse, mean_logit)
+    ctx.save_for_backward(logits, target, temperature, shift, log_total, entropy)
     ctx.options = {
         name: keyword_only_inputs[name] for name in ("vocab_start", "ignore_index", "chunk_size")
     }
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, grad_lse, grad_target_logit, grad_mean_logit, _):
-    logits, target, temperature, lse, mean_logit = ctx.saved_tensors
+def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy, __):
+    logits, target, temperature, shift, log_total, entropy = ctx.saved_tensors
     grad = vocab_parallel_stats_backward(
-        grad_lse,
+        grad_log_total,
         grad_target_logit,
-        grad_mean_logit if ctx.with_entropy else None,
+        grad_entropy if ctx.with_entropy else None,
         logits,
         target,
         temperature,
-        lse,
-        mean_logit,
+        shift,
+        log_total,
+        entropy,
         **ctx.options,
     )
     return grad, None, None
@@ -239,7 +245,7 @@ def _decompose_stats(
 ):
     candidates, row_max = None, None
     if topk:
-        candidates, row_max = _math.topk_stats(logits, topk, vocab_start, temperature=temperature)
+        candidates, row_max = _math.topk_stats(logits, topk, vocab_start)
     stats = _math.local_stats(
         logits,
         target,
@@ -251,34 +257,42 @@ def _decompose_stats(
     if topk:
         stats = torch.cat([stats, candidates], dim=-1)
     return _math.exchange_stats(
-        stats, target, group_name, ignore_index, with_entropy=with_entropy, topk=topk
+        stats,
+        target,
+        group_name,
+        ignore_index,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        topk=topk,
     )
 
 
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats_backward.default)
 def _decompose_backward(
-    grad_lse,
+    grad_log_total,
     grad_target_logit,
-    grad_mean_logit,
+    grad_entropy,
     logits,
     target,
     temperature,
-    lse,
-    mean_logit,
+    shift,
+    log_total,
+    entropy,
     *,
     vocab_start,
     ignore_index,
     chunk_size,
 ):
     return _math.grad_logits(
-        grad_lse,
+        grad_log_total,
         grad_target_logit,
         logits,
         target,
-        lse,
+        shift,
+        log_total,
         vocab_start,
         ignore_index,
         temperature=temperature,
-        grad_mean_logit=grad_mean_logit,
-        mean_logit=mean_logit,
+        grad_entropy=grad_entropy,
+        entropy=entropy,
     )

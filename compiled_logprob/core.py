@@ -5,7 +5,7 @@ vocabulary, ``V_local`` this rank's vocabulary slice ``[vocab_start, vocab_start
 
 Every function takes the logits of one vocabulary shard and returns values defined over the
 *full* vocabulary: only per-row ``[B, S]`` statistics cross ranks (one all-gather per call,
-or per chunk). The backward of the per-row results (log-probs, logsumexp) communicates
+chunked or not). The backward of the per-row results (log-probs, logsumexp) communicates
 nothing; only the sharded log-softmax, whose every entry depends on every shard, all-reduces
 one ``[B, S]`` vector in backward. All of it traces whole under
 ``torch.compile(fullgraph=True)``, performs no host synchronisation (so it can be captured
@@ -14,6 +14,7 @@ in CUDA graphs) and needs no ``torch.distributed`` at all when ``group`` is ``No
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 import torch
@@ -133,10 +134,17 @@ def _validate_target(
             )
 
 
+# Top-k ids travel beside the candidates' values as fp32, exact up to 2**24.
+_MAX_TOPK_VOCAB = 1 << 24
+# fp32 temperatures: the smallest normal one (below it 1 / T overflows), and the largest.
+_TEMPERATURE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
 def _temperature_rows(
     temperature: float | torch.Tensor, rows_shape: torch.Size, device: torch.device
 ) -> torch.Tensor | None:
     """``None`` for 1, else fp32 ``[B, S]`` (a broadcast view, nothing copied)."""
+    low, high = _TEMPERATURE_RANGE
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float tensor, got dtype {temperature.dtype}")
@@ -144,6 +152,11 @@ def _temperature_rows(
             raise ValueError(
                 f"temperature is on {temperature.device} but logits are on {device}; "
                 "move it to the logits' device"
+            )
+        if temperature.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "temperature requires grad, but no gradient flows to it: pass "
+                "temperature.detach()"
             )
         try:
             rows = temperature.float().expand(rows_shape)
@@ -153,12 +166,18 @@ def _temperature_rows(
                 f"positions {tuple(rows_shape)}: pass a float, or a tensor of shape [..., S] "
                 "or [..., 1] (one temperature per row)"
             ) from None
-        torch._assert_async((rows > 0).all(), "temperature must be > 0 everywhere")
+        torch._assert_async(
+            ((rows >= low) & (rows <= high)).all(),
+            f"temperature must be a finite fp32 number >= {low:.3g} everywhere",
+        )
     else:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
             raise TypeError(f"temperature must be a float or a tensor, got {temperature!r}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not low <= temperature <= high:
+            raise ValueError(
+                f"temperature must be a finite fp32 number >= {low:.3g} (1 / temperature must "
+                f"not overflow), got {temperature}"
+            )
         if temperature == 1:
             return None
         rows = torch.full((), float(temperature), device=device).expand(rows_shape)
@@ -176,28 +195,31 @@ def _stats(
     ignore_index: int | None = None,
     with_entropy: bool = False,
     topk: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(lse [..., S], target_logit [..., S, K], mean_logit [..., S], topk_ids [..., S, topk])``
-    of ``target [..., S, K]``, or of the top ``topk`` ids when ``target`` is ``None``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(shift [..., S], log_total [..., S], target_logit [..., S, K], entropy [..., S],
+    topk_ids [..., S, topk])`` of ``target [..., S, K]``, or of the top ``topk`` ids when
+    ``target`` is ``None``: ``lse = shift / temperature + log_total`` and a log-prob is
+    ``target_logit − log_total`` (``_math.exchange_stats``)."""
     rows_shape = logits.shape[:-1]
     args = (
         _as_batch(logits, 2),
         None if target is None else _as_batch(target, 2),
         _temperature_rows(temperature, rows_shape, logits.device),
     )
-    lse, target_logit, mean_logit, topk_ids = _ops.vocab_parallel_stats(
+    shift, log_total, target_logit, entropy, topk_ids = _ops.vocab_parallel_stats(
         *args,
-        vocab_start=vocab_start,
+        vocab_start=operator.index(vocab_start),
         group_name=_group_name(group),
-        ignore_index=ignore_index,
+        ignore_index=None if ignore_index is None else operator.index(ignore_index),
         with_entropy=with_entropy,
         topk=topk,
-        chunk_size=chunk_size,
+        chunk_size=None if chunk_size is None else operator.index(chunk_size),
     )
     return (
-        lse.view(rows_shape),
+        shift.view(rows_shape),
+        log_total.view(rows_shape),
         target_logit.view(*rows_shape, target_logit.shape[-1]),
-        mean_logit.view(rows_shape),
+        entropy.view(rows_shape),
         topk_ids.view(*rows_shape, topk),
     )
 
@@ -245,7 +267,7 @@ def token_logprobs(
     _validate_logits(logits, chunk_size)
     _validate_target(logits, target, vocab_start, ignore_index)
     per_position = target.dim() == logits.dim() - 1
-    lse, target_logit, mean_logit, _ = _stats(
+    _, log_total, target_logit, entropy, _ = _stats(
         logits,
         target.unsqueeze(-1) if per_position else target,
         vocab_start=vocab_start,
@@ -255,13 +277,13 @@ def token_logprobs(
         temperature=temperature,
         with_entropy=return_entropy,
     )
-    logprobs = (target_logit - lse.unsqueeze(-1)).view(target.shape)
+    logprobs = (target_logit - log_total.unsqueeze(-1)).view(target.shape)
     if ignore_index is not None:
         logprobs = torch.where(target == ignore_index, 0.0, logprobs)
     if not return_entropy:
         return logprobs
-    entropy = lse - mean_logit
-    if ignore_index is not None:
+    if ignore_index is not None and (per_position or target.shape[-1]):
+        # Positions whose every id is ignored (K = 0 ids ignore nothing).
         ignored = target == ignore_index
         entropy = torch.where(ignored if per_position else ignored.all(-1), 0.0, entropy)
     return logprobs, entropy
@@ -279,8 +301,10 @@ def vocab_parallel_logsumexp(
     Eager equivalent: ``torch.logsumexp(full_logits.float() / temperature, -1)``.
     """
     _validate_logits(logits, chunk_size)
-    lse, _, _, _ = _stats(logits, None, group=group, chunk_size=chunk_size, temperature=temperature)
-    return lse
+    shift, log_total, _, _, _ = _stats(
+        logits, None, group=group, chunk_size=chunk_size, temperature=temperature
+    )
+    return shift / temperature + log_total
 
 
 def vocab_parallel_entropy(
@@ -293,13 +317,13 @@ def vocab_parallel_entropy(
     """Entropy of the full-vocabulary distribution per position, fp32 ``[..., S]``, differentiable.
 
     Eager equivalent: ``torch.distributions.Categorical(logits=full_logits.float() / temperature).entropy()``.
-    One all-gather of ``[2, ..., S]`` statistics; no collective in backward.
+    One all-gather of ``[..., S, 3]`` statistics; no collective in backward.
     """
     _validate_logits(logits, chunk_size)
-    lse, _, mean_logit, _ = _stats(
+    _, _, _, entropy, _ = _stats(
         logits, None, group=group, chunk_size=chunk_size, temperature=temperature, with_entropy=True
     )
-    return lse - mean_logit
+    return entropy
 
 
 def vocab_parallel_topk(
@@ -324,12 +348,18 @@ def vocab_parallel_topk(
     chunk of ``chunk_size`` positions in eager). Requires ``k <= V_local``.
     """
     _validate_logits(logits, chunk_size)
+    vocab_end = _as_int(vocab_start, "vocab_start", minimum=0) + logits.shape[-1]
+    if vocab_end > _MAX_TOPK_VOCAB:
+        raise ValueError(
+            f"vocab_parallel_topk supports vocabularies of up to 2**24 ids (they travel as "
+            f"fp32), but this shard ends at id {vocab_end}"
+        )
     if _as_int(k, "k") not in range(1, logits.shape[-1] + 1):
         raise ValueError(
             f"k must be an int in [1, V_local = {logits.shape[-1]}] (this rank's vocabulary "
             f"slice), got {k!r}"
         )
-    lse, top_logits, _, ids = _stats(
+    _, log_total, top_logits, _, ids = _stats(
         logits,
         None,
         vocab_start=vocab_start,
@@ -338,7 +368,7 @@ def vocab_parallel_topk(
         temperature=temperature,
         topk=k,
     )
-    return top_logits - lse.unsqueeze(-1), ids
+    return top_logits - log_total.unsqueeze(-1), ids
 
 
 def vocab_parallel_log_softmax(
@@ -350,37 +380,47 @@ def vocab_parallel_log_softmax(
 ) -> torch.Tensor:
     """This shard of the log-softmax over the full vocabulary, ``[..., S, V_local]``.
 
-    Eager equivalent: ``torch.log_softmax(full_logits.float(), -1)[..., vocab_start:vocab_end]``.
+    Eager equivalent: ``torch.log_softmax(full_logits.float(), -1)[..., vocab_start:vocab_end].to(dtype)``.
     The result is ``dtype`` (default: the logits' dtype). Unlike the token log-probs this
-    materialises a full ``[..., S, V_local]`` tensor; prefer :func:`token_logprobs` when
-    only the targets' log-probs are needed. Its backward all-reduces one fp32 ``[..., S]``
-    gradient over ``group``: every rank's output depends on every shard.
+    materialises a full ``[..., S, V_local]`` tensor, and ``chunk_size`` bounds only the
+    statistics pass: forward and backward each form fp32 temporaries of the output's size.
+    Prefer :func:`token_logprobs` when only the targets' log-probs are needed. Its backward
+    all-reduces one fp32 ``[..., S]`` gradient over ``group``: every rank's output depends
+    on every shard.
     """
+    _validate_logits(logits, chunk_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
-    lse = vocab_parallel_logsumexp(logits.detach(), group=group, chunk_size=chunk_size)
-    return _LogSoftmax.apply(logits, lse, _group_name(group), dtype or logits.dtype)
+    shift, log_total, _, _, _ = _stats(
+        logits.detach(), None, group=group, chunk_size=chunk_size, temperature=1.0
+    )
+    return _LogSoftmax.apply(logits, shift, log_total, _group_name(group), dtype or logits.dtype)
 
 
 class _LogSoftmax(torch.autograd.Function):
-    """``logits - lse`` with the gradient ``G - softmax · sum(G)`` formed in fp32, rounded once.
+    """``(logits − shift) − log_total`` with the gradient ``G − softmax · sum(G)`` formed in
+    fp32, rounded once.
 
-    The output is sharded but depends on every shard through ``lse``, so ``sum(G)`` runs
-    over the full vocabulary: one fp32 ``[..., S]`` all-reduce over the group.
+    The output is sharded but depends on every shard through ``log_total``, so ``sum(G)``
+    runs over the full vocabulary: one fp32 ``[..., S]`` all-reduce over the group.
     """
 
     @staticmethod
-    def forward(ctx, logits, lse, group_name, dtype):
-        ctx.save_for_backward(logits, lse)
+    def forward(ctx, logits, shift, log_total, group_name, dtype):
+        ctx.save_for_backward(logits, shift, log_total)
         ctx.group_name = group_name
-        return (logits.float() - lse.unsqueeze(-1)).to(dtype)
+        return _LogSoftmax.fp32(logits, shift, log_total).to(dtype)
+
+    @staticmethod
+    def fp32(logits, shift, log_total):
+        return (logits.float() - shift.unsqueeze(-1)) - log_total.unsqueeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        logits, lse = ctx.saved_tensors
+        logits, shift, log_total = ctx.saved_tensors
         grad = grad.float()
         grad_sum = grad.sum(-1)
         if ctx.group_name is not None:
             grad_sum = funcol.wait_tensor(funcol.all_reduce(grad_sum, "sum", ctx.group_name))
-        softmax = torch.exp(logits.float() - lse.unsqueeze(-1))
-        return (grad - grad_sum.unsqueeze(-1) * softmax).to(logits.dtype), None, None, None
+        softmax = torch.exp(_LogSoftmax.fp32(logits, shift, log_total))
+        return (grad - grad_sum.unsqueeze(-1) * softmax).to(logits.dtype), None, None, None, None

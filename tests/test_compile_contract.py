@@ -415,27 +415,28 @@ def _backward_cases():
     logits, target = _op_inputs()
     targets = target.unsqueeze(-1)
     temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
-    lse = torch.logsumexp(logits, -1)
+    shift = logits.amax(-1)
+    log_total = torch.logsumexp(logits, -1) - shift
     gen = torch.Generator().manual_seed(1)
-    grad_lse, grad_target_logit, grad_mean_logit, mean_logit = torch.randn(
-        4, *lse.shape, generator=gen
+    grad_log_total, grad_target_logit, grad_entropy, entropy = torch.randn(
+        4, *shift.shape, generator=gen
     )
     grad_target_logit = grad_target_logit.unsqueeze(-1)
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         z = logits.to(dtype)
 
-        def args(target, grad_mean, temp):
+        def args(target, grad_entropy, temp):
             k = 0 if target is None else 1
-            grads = (grad_lse, grad_target_logit[..., :k], grad_mean)
-            return (*grads, z, target, temp, lse, mean_logit)
+            grads = (grad_log_total, grad_target_logit[..., :k], grad_entropy)
+            return (*grads, z, target, temp, shift, log_total, entropy)
 
         options = dict(vocab_start=0, ignore_index=None, chunk_size=None)
         cases += [
             (args(targets, None, None), options),
             (args(targets, None, None), {**options, "vocab_start": 2, "ignore_index": IGNORE}),
             (args(None, None, None), {**options, "chunk_size": 2}),
-            (args(targets, grad_mean_logit, temperature), {**options, "ignore_index": IGNORE}),
+            (args(targets, grad_entropy, temperature), {**options, "ignore_index": IGNORE}),
         ]
     return cases
 

@@ -465,10 +465,15 @@ def test_bad_input():
     logits = torch.randn(2, 5, 11)
     ids = torch.randint(0, 11, (2, 5, 3))
     bad_temperature = {
-        0.0: (ValueError, "temperature must be > 0, got 0.0"),
-        -1.0: (ValueError, "temperature must be > 0"),
+        0.0: (ValueError, "temperature must be a finite fp32 number >= 1.18e-38.*got 0.0"),
+        -1.0: (ValueError, "temperature must be a finite fp32 number"),
+        # Positive, but 0 in fp32 (or 1 / T overflows there).
+        1e-50: (ValueError, r"\(1 / temperature must not overflow\), got 1e-50"),
+        float("inf"): (ValueError, "got inf"),
         True: (TypeError, "temperature must be a float or a tensor"),
-        torch.tensor([[1.0], [0.0]]): (RuntimeError, "temperature must be > 0 everywhere"),
+        torch.tensor([[1.0], [0.0]]): (RuntimeError, "finite fp32 number >= 1.18e-38 everywhere"),
+        torch.tensor([[1.0], [1e-50]], dtype=torch.float64): (RuntimeError, "everywhere"),
+        torch.ones(2, 1, requires_grad=True): (ValueError, r"pass temperature.detach\(\)"),
         torch.ones(2, 6): (ValueError, r"does not broadcast to the positions \(2, 5\)"),
         torch.ones(2, 1, dtype=torch.long): (TypeError, "temperature must be a float tensor"),
     }
@@ -480,9 +485,28 @@ def test_bad_input():
         ):
             with pytest.raises(error, match=message):
                 call()
-    for k in (0, 12, 2.0, True):
+    for k in (0, 12):
         with pytest.raises(ValueError, match=r"k must be an int in \[1, V_local = 11\]"):
             cl.vocab_parallel_topk(logits, k)
+    for k in (2.0, True):
+        with pytest.raises(TypeError, match="k must be an int"):
+            cl.vocab_parallel_topk(logits, k)
+    with pytest.raises(ValueError, match="vocab_start must be >= 0, got -5"):
+        cl.vocab_parallel_topk(logits, 2, vocab_start=-5)
     for target in (ids[:, :4], ids.unsqueeze(-1), ids[0]):
         with pytest.raises(ValueError, match="or be \\(2, 5\\) \\+ \\(K,\\) for K ids"):
             cl.token_logprobs(logits, target)
+
+
+def test_no_ids_ignore_nothing():
+    """K = 0 ids per position with ``ignore_index``: no position has all its ids ignored, so
+    the entropy and its gradient are the full distribution's."""
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    no_ids = torch.zeros(2, 5, 0, dtype=torch.long)
+    logprobs, entropy = cl.token_logprobs(logits, no_ids, ignore_index=IGNORE, return_entropy=True)
+    expected = cl.vocab_parallel_entropy(logits)
+    assert logprobs.shape == (2, 5, 0)
+    torch.testing.assert_close(entropy, expected, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)

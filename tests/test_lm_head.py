@@ -206,12 +206,13 @@ def _opcheck_both(case: Case, group_name: str | None) -> None:
     torch.library.opcheck(
         _lm_head_ops.lm_head_stats, (hidden, weight, target), dict(options, with_entropy=case.entropy)
     )
-    lse, _, mean_logit = _lm_head_ops.lm_head_stats(
+    shift, log_total, _, entropy = _lm_head_ops.lm_head_stats(
         hidden.detach(), weight.detach(), target, **options, with_entropy=case.entropy
     )
-    grads = torch.randn(3, *lse.shape)
-    grad_mean = grads[2] if case.entropy else None
-    args = (grads[0], grads[1], grad_mean, hidden.detach(), weight.detach(), target, lse, mean_logit)
+    grads = torch.randn(3, *shift.shape)
+    grad_entropy = grads[2] if case.entropy else None
+    args = (grads[0], grads[1], grad_entropy, hidden.detach(), weight.detach(), target)
+    args += (shift, log_total, entropy)
     torch.library.opcheck(_lm_head_ops.lm_head_stats_backward, args, options)
 
 

@@ -372,3 +372,54 @@ def test_property(gloo_pool):
     """Hypothesis over B, S, V, TP size (1-4, as subgroups of 4 ranks), chunk, dtype, scale,
     -inf/NaN rows and ignore_index, all APIs, forward and backward."""
     gloo_pool(4).run(_check_property, 120)
+
+
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def _precision_outputs(logits: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+    logprobs, entropy = cl.token_logprobs(logits, target, return_entropy=True)
+    return [
+        logprobs,
+        entropy,
+        cl.vocab_parallel_logsumexp(logits),
+        cl.vocab_parallel_topk(logits, 3)[0],
+        cl.vocab_parallel_log_softmax(logits, dtype=torch.float32),
+        cl.token_logprobs(logits, target, temperature=0.25),
+    ]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_precision_does_not_degrade_with_logit_magnitude(compiled):
+    """Log-probs, entropies and their gradients stay within a few ulps of their own size,
+    as fp32 ``torch.log_softmax`` does, however large the logits: a shift of 3e4, a scale of
+    1000 (peaked rows: entropies near 0) and both. Centring on the unscaled row max before
+    the temperature and the logs is exact; an fp32 ``lse`` would cost ulps of ``|lse|``."""
+    fn = torch.compile(_precision_outputs, fullgraph=True) if compiled else _precision_outputs
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 9, 1003, generator=gen, dtype=torch.float64)
+    for shift, scale in ((3e4, 1.0), (0.0, 1000.0), (3e4, 30.0)):
+        full = (base * scale + shift).float().double()
+        logits = full.float().requires_grad_()
+        target = full.argmax(-1)
+        target[:, ::2] = torch.randint(0, 1003, (2, 5), generator=gen)
+        log_softmax = oracle_log_softmax(full)
+        slow = torch.log_softmax(full / 0.25, -1)
+        refs = [
+            log_softmax.gather(-1, target[..., None])[..., 0],
+            -(log_softmax.exp() * log_softmax).sum(-1),
+            oracle_logsumexp(full),
+            log_softmax.topk(3).values,
+            log_softmax,
+            slow.gather(-1, target[..., None])[..., 0],
+        ]
+        outs = fn(logits, target)
+        for name, out, ref in zip(("logprobs", "entropy", "lse", "topk", "log_softmax", "T"), outs, refs):
+            error = (out.double() - ref).abs()
+            assert (error <= 16 * FP32_EPS * (1 + ref.abs())).all(), (shift, scale, name, error.max())
+        # d logprob / d logits = onehot − p: each entry within ulps of p (1 + |log p|).
+        (grad,) = torch.autograd.grad(outs[0].sum(), logits)
+        ref_grad = torch.nn.functional.one_hot(target, 1003) - log_softmax.exp()
+        p = log_softmax.exp()
+        bound = 16 * FP32_EPS * (p * (1 - log_softmax) + ref_grad.abs()) + 1e-44
+        assert ((grad.double() - ref_grad).abs() <= bound).all(), (shift, scale)
