@@ -119,9 +119,9 @@ def lm_head_token_logprobs(
     """
     _validate(hidden, weight, target, vocab_start, temperature, chunk_size)
     lse, target_logit, mean_logit = _lm_head_ops.lm_head_stats(
-        hidden.reshape(-1, *hidden.shape[-2:]),
+        core._as_batch(hidden, 2),
         weight,
-        target.reshape(-1, target.shape[-1]),
+        core._as_batch(target, 1),
         vocab_start=vocab_start,
         group_name=core._group_name(group),
         ignore_index=ignore_index,

@@ -260,6 +260,25 @@ def test_bad_input(change, error, match):
         lm_head_token_logprobs(hidden, weight, target, **args)
 
 
+HIDDEN = torch.randn(2, 3, 4)
+WEIGHT = torch.randn(5, 4)
+TARGET = torch.randint(0, 5, (2, 3))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("shape", [(2, 0, 4), (0, 3, 4), (4, 2, 0, 4), (0, 4)])
+def test_empty_input_is_not_an_error(shape, chunk_size):
+    hidden = torch.randn(shape, requires_grad=True)
+    weight = WEIGHT.clone().requires_grad_()
+    target = torch.zeros(shape[:-1], dtype=torch.long)
+    logprobs, entropy = lm_head_token_logprobs(
+        hidden, weight, target, chunk_size=chunk_size, return_entropy=True
+    )
+    (logprobs.sum() + entropy.sum()).backward()
+    assert logprobs.shape == entropy.shape == shape[:-1]
+    assert hidden.grad.shape == shape and weight.grad.shape == WEIGHT.shape
+
+
 # --- context parallelism: hidden states sharded like the logits of the CP entry points ---
 
 CP_GRIDS = [(1, 2), (2, 2)]  # (tp, cp)
