@@ -36,15 +36,22 @@ def _validate_hidden(hidden, weight) -> None:
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not hidden.is_floating_point() or hidden.dim() < 2:
+    if not hidden.is_floating_point():
         raise TypeError(
-            f"hidden must be a floating-point [..., S, H] tensor, got dtype {hidden.dtype} "
-            f"and shape {tuple(hidden.shape)}"
+            f"hidden must be a floating-point tensor, got dtype {hidden.dtype}; pass the "
+            "model's final hidden states"
         )
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must have shape [..., S, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight must be this rank's LM-head slice [V_local, H] with H = {hidden.shape[-1]} "
             f"(hidden {tuple(hidden.shape)}), got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(
+            f"this rank's vocabulary shard is empty (weight shape {tuple(weight.shape)}): shard a "
+            "vocabulary over at most V ranks"
         )
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise TypeError(

@@ -265,6 +265,36 @@ WEIGHT = torch.randn(5, 4)
 TARGET = torch.randint(0, 5, (2, 3))
 
 
+def _lm_head(hidden=HIDDEN, weight=WEIGHT, target=TARGET, **options):
+    return lambda: lm_head_token_logprobs(hidden, weight, target, **options)
+
+
+# name: (call, exception type, substrings the message must contain), as in test_errors.py
+BAD_INPUT_CASES = {
+    "hidden_1d": (
+        _lm_head(hidden=torch.randn(4), target=torch.tensor(1)),
+        ValueError,
+        ["[..., S, H]", "(4,)"],
+    ),
+    "hidden_int": (_lm_head(hidden=HIDDEN.long()), TypeError, ["floating-point", "torch.int64"]),
+    "empty_vocab_shard": (
+        _lm_head(weight=torch.randn(0, 4)),
+        ValueError,
+        ["(0, 4)", "empty", "at most V ranks"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT_CASES))
+def test_bad_input_message(case):
+    call, error, substrings = BAD_INPUT_CASES[case]
+    with pytest.raises(error) as raised:
+        call()
+    message = str(raised.value)
+    missing = [s for s in substrings if s not in message]
+    assert not missing, f"message {message!r} lacks {missing}"
+
+
 @pytest.mark.parametrize("chunk_size", [None, 2])
 @pytest.mark.parametrize("shape", [(2, 0, 4), (0, 3, 4), (4, 2, 0, 4), (0, 4)])
 def test_empty_input_is_not_an_error(shape, chunk_size):
