@@ -60,7 +60,11 @@ def _validate_hidden(hidden, weight) -> None:
         )
 
 
-def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> None:
+def _validate(
+    hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
+) -> tuple[int, int | None, int | None]:
+    """Checks the arguments; returns ``(vocab_start, ignore_index, chunk_size)`` as Python
+    ints, since the op's schema rejects other integer types (numpy's)."""
     _validate_hidden(hidden, weight)
     core._validate_token_ids(target, "target")
     if target.shape != hidden.shape[:-1] or target.device != hidden.device:
@@ -68,8 +72,10 @@ def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> N
             f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
             f"leading shape {tuple(hidden.shape[:-1])} and device {hidden.device}"
         )
-    if not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    # The hidden states' leading dims are the positions, as the logits' are: with the shape
+    # and device checked above, core's target checks add those of vocab_start and
+    # ignore_index (an int that fits the target's dtype).
+    core._validate_target(hidden, target, vocab_start, ignore_index)
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, (int, float))
@@ -77,8 +83,11 @@ def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> N
         or temperature <= 0
     ):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    return (
+        core._as_int(vocab_start, "vocab_start", minimum=0),
+        None if ignore_index is None else core._as_int(ignore_index, "ignore_index"),
+        None if chunk_size is None else core._as_int(chunk_size, "chunk_size", minimum=1),
+    )
 
 
 def lm_head_token_logprobs(
@@ -124,7 +133,9 @@ def lm_head_token_logprobs(
     A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
     the device without a host sync (``torch._assert_async``).
     """
-    _validate(hidden, weight, target, vocab_start, temperature, chunk_size)
+    vocab_start, ignore_index, chunk_size = _validate(
+        hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
+    )
     lse, target_logit, mean_logit = _lm_head_ops.lm_head_stats(
         core._as_batch(hidden, 2),
         weight,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -282,6 +283,27 @@ BAD_INPUT_CASES = {
         ValueError,
         ["(0, 4)", "empty", "at most V ranks"],
     ),
+    "ignore_index_tensor": (
+        _lm_head(ignore_index=torch.tensor(3)),
+        TypeError,
+        ["ignore_index", "Python int", "tensor(3)"],
+    ),
+    "ignore_index_float": (
+        _lm_head(ignore_index=3.0),
+        TypeError,
+        ["ignore_index", "must be an int", "3.0"],
+    ),
+    "ignore_index_wraps_int32_target": (
+        _lm_head(target=TARGET.int(), ignore_index=2**32),
+        ValueError,
+        ["ignore_index=4294967296", "torch.int32", "target.long()"],
+    ),
+    "vocab_start_float": (_lm_head(vocab_start=2.0), TypeError, ["vocab_start", "int", "2.0"]),
+    "vocab_start_bool": (_lm_head(vocab_start=True), TypeError, ["vocab_start", "True"]),
+    "vocab_start_negative": (_lm_head(vocab_start=-1), ValueError, ["vocab_start", ">= 0", "-1"]),
+    "chunk_size_float": (_lm_head(chunk_size=2.5), TypeError, ["chunk_size", "int", "2.5"]),
+    "chunk_size_bool": (_lm_head(chunk_size=True), TypeError, ["chunk_size", "True"]),
+    "chunk_size_zero": (_lm_head(chunk_size=0), ValueError, ["chunk_size", ">= 1", "0"]),
 }
 
 
@@ -308,6 +330,27 @@ def test_empty_input_is_not_an_error(shape, chunk_size):
     assert logprobs.shape == entropy.shape == shape[:-1]
     assert hidden.grad.shape == shape and weight.grad.shape == WEIGHT.shape
 
+
+def _numpy_ints(options: dict) -> dict:
+    return {name: np.int64(value) for name, value in options.items()}
+
+
+def test_numpy_int_options_match_python_ints():
+    """The op's schema takes Python ints only: numpy ints are converted before the call."""
+    target = torch.where(TARGET == 0, IGNORE, TARGET + 3)  # this shard holds ids 3..7
+    options = {"vocab_start": 3, "chunk_size": 2, "ignore_index": IGNORE}
+    want = lm_head_token_logprobs(HIDDEN, WEIGHT, target, **options)
+    got = lm_head_token_logprobs(HIDDEN, WEIGHT, target, **_numpy_ints(options))
+    torch.testing.assert_close(got, want)
+
+
+def test_context_parallel_numpy_int_options_match_python_ints():
+    # vocab_start 0: the last position scores id 0 (see _cp_logprobs), which must be owned.
+    options = {"vocab_start": 0, "chunk_size": 1, "ignore_index": IGNORE}
+    args = (HIDDEN[:, :2], WEIGHT, TARGET[:, :2])
+    want = lm_head_context_parallel_logprobs(*args, **options)
+    got = lm_head_context_parallel_logprobs(*args, **_numpy_ints(options))
+    torch.testing.assert_close(got, want)
 
 # --- context parallelism: hidden states sharded like the logits of the CP entry points ---
 
