@@ -304,6 +304,36 @@ BAD_INPUT_CASES = {
     "chunk_size_float": (_lm_head(chunk_size=2.5), TypeError, ["chunk_size", "int", "2.5"]),
     "chunk_size_bool": (_lm_head(chunk_size=True), TypeError, ["chunk_size", "True"]),
     "chunk_size_zero": (_lm_head(chunk_size=0), ValueError, ["chunk_size", ">= 1", "0"]),
+    "temperature_tensor": (
+        _lm_head(temperature=torch.full((2, 1), 0.7)),
+        TypeError,
+        ["float temperature", "tensor of shape (2, 1)", "token_logprobs"],
+    ),
+    "temperature_tensor_context_parallel": (
+        lambda: lm_head_context_parallel_logprobs(
+            HIDDEN[:, :2], WEIGHT, TARGET[:, :2], temperature=torch.tensor(0.7)
+        ),
+        TypeError,
+        ["float temperature", "token_logprobs"],
+    ),
+    "temperature_str": (_lm_head(temperature="0.7"), TypeError, ["temperature", "float", "'0.7'"]),
+    "temperature_bool": (_lm_head(temperature=True), TypeError, ["temperature", "True"]),
+    "temperature_zero": (_lm_head(temperature=0.0), ValueError, ["temperature", "0.0"]),
+    "temperature_negative": (_lm_head(temperature=-1), ValueError, ["temperature", "-1"]),
+    "temperature_nan": (_lm_head(temperature=float("nan")), ValueError, ["temperature", "nan"]),
+    "temperature_inf": (_lm_head(temperature=float("inf")), ValueError, ["temperature", "inf"]),
+    "temperature_huge_int": (
+        _lm_head(temperature=10**400),
+        ValueError,
+        ["temperature", "fp32", "10000000000"],
+    ),
+    "temperature_above_fp32": (_lm_head(temperature=1e39), ValueError, ["fp32", "1e+39"]),
+    "temperature_zero_in_fp32": (_lm_head(temperature=1e-50), ValueError, ["fp32", "1e-50"]),
+    "temperature_reciprocal_overflows_fp32": (
+        _lm_head(temperature=1e-39),
+        ValueError,
+        ["fp32", "1e-39"],
+    ),
 }
 
 
