@@ -66,10 +66,17 @@ def _validate(
     ints, since the op's schema rejects other integer types (numpy's)."""
     _validate_hidden(hidden, weight)
     core._validate_token_ids(target, "target")
-    if target.shape != hidden.shape[:-1] or target.device != hidden.device:
+    positions = hidden.shape[:-1]
+    if target.dim() == hidden.dim() and target.shape[:-1] == positions:
+        raise ValueError(
+            f"lm_head entry points take a [..., S] target (one id per position), got shape "
+            f"{tuple(target.shape)} for hidden {tuple(hidden.shape)}; for K ids per position, "
+            "compute the logits and call token_logprobs on them"
+        )
+    if target.shape != positions or target.device != hidden.device:
         raise ValueError(
             f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
-            f"leading shape {tuple(hidden.shape[:-1])} and device {hidden.device}"
+            f"leading shape {tuple(positions)} and device {hidden.device}"
         )
     # The hidden states' leading dims are the positions, as the logits' are: with the shape
     # and device checked above, core's target checks add those of vocab_start and

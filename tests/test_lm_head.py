@@ -283,6 +283,11 @@ BAD_INPUT_CASES = {
         ValueError,
         ["(0, 4)", "empty", "at most V ranks"],
     ),
+    "target_k_ids": (
+        _lm_head(target=TARGET[..., None].expand(2, 3, 2)),
+        ValueError,
+        ["(2, 3, 2)", "[..., S]", "one id per position", "token_logprobs"],
+    ),
     "ignore_index_tensor": (
         _lm_head(ignore_index=torch.tensor(3)),
         TypeError,
