@@ -18,7 +18,6 @@ Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -36,15 +35,22 @@ def _validate_hidden(hidden, weight) -> None:
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not hidden.is_floating_point() or hidden.dim() < 2:
+    if not hidden.is_floating_point():
         raise TypeError(
-            f"hidden must be a floating-point [..., S, H] tensor, got dtype {hidden.dtype} "
-            f"and shape {tuple(hidden.shape)}"
+            f"hidden must be a floating-point tensor, got dtype {hidden.dtype}; pass the "
+            "model's final hidden states"
         )
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must have shape [..., S, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight must be this rank's LM-head slice [V_local, H] with H = {hidden.shape[-1]} "
             f"(hidden {tuple(hidden.shape)}), got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(
+            f"this rank's vocabulary shard is empty (weight shape {tuple(weight.shape)}): shard a "
+            "vocabulary over at most V ranks"
         )
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise TypeError(
@@ -53,25 +59,50 @@ def _validate_hidden(hidden, weight) -> None:
         )
 
 
-def _validate(hidden, weight, target, vocab_start, temperature, chunk_size) -> None:
+def _validate(
+    hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
+) -> tuple[int, int | None, int | None]:
+    """Checks the arguments; returns ``(vocab_start, ignore_index, chunk_size)`` as Python
+    ints, since the op's schema rejects other integer types (numpy's)."""
     _validate_hidden(hidden, weight)
     core._validate_token_ids(target, "target")
-    if target.shape != hidden.shape[:-1] or target.device != hidden.device:
+    positions = hidden.shape[:-1]
+    if target.dim() == hidden.dim() and target.shape[:-1] == positions:
+        raise ValueError(
+            f"lm_head entry points take a [..., S] target (one id per position), got shape "
+            f"{tuple(target.shape)} for hidden {tuple(hidden.shape)}; for K ids per position, "
+            "compute the logits and call token_logprobs on them"
+        )
+    if target.shape != positions or target.device != hidden.device:
         raise ValueError(
             f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
-            f"leading shape {tuple(hidden.shape[:-1])} and device {hidden.device}"
+            f"leading shape {tuple(positions)} and device {hidden.device}"
         )
-    if not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    # The hidden states' leading dims are the positions, as the logits' are: with the shape
+    # and device checked above, core's target checks add those of vocab_start and
+    # ignore_index (an int that fits the target's dtype).
+    core._validate_target(hidden, target, vocab_start, ignore_index)
+    if isinstance(temperature, torch.Tensor):
+        raise TypeError(
+            f"lm_head entry points take a float temperature, got a tensor of shape "
+            f"{tuple(temperature.shape)}; for per-row temperatures, compute the logits and call "
+            "token_logprobs on them"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {temperature!r:.80}")
+    # The logits are divided by it in fp32, so it must be a normal fp32 number (then its
+    # reciprocal is finite too). Python compares ints with floats exactly: no overflow here.
+    fp32 = torch.finfo(torch.float32)
+    if not fp32.tiny <= temperature <= fp32.max:
+        raise ValueError(
+            f"temperature must be positive and finite in fp32 (the math runs in fp32), i.e. in "
+            f"[{fp32.tiny:.4g}, {fp32.max:.4g}], got {temperature!r:.80}"
+        )
+    return (
+        core._as_int(vocab_start, "vocab_start", minimum=0),
+        None if ignore_index is None else core._as_int(ignore_index, "ignore_index"),
+        None if chunk_size is None else core._as_int(chunk_size, "chunk_size", minimum=1),
+    )
 
 
 def lm_head_token_logprobs(
@@ -117,11 +148,13 @@ def lm_head_token_logprobs(
     A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
     the device without a host sync (``torch._assert_async``).
     """
-    _validate(hidden, weight, target, vocab_start, temperature, chunk_size)
+    vocab_start, ignore_index, chunk_size = _validate(
+        hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
+    )
     lse, target_logit, mean_logit = _lm_head_ops.lm_head_stats(
-        hidden.reshape(-1, *hidden.shape[-2:]),
+        core._as_batch(hidden, 2),
         weight,
-        target.reshape(-1, target.shape[-1]),
+        core._as_batch(target, 1),
         vocab_start=vocab_start,
         group_name=core._group_name(group),
         ignore_index=ignore_index,

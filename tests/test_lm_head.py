@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -260,6 +261,132 @@ def test_bad_input(change, error, match):
     with pytest.raises(error, match=match):
         lm_head_token_logprobs(hidden, weight, target, **args)
 
+
+HIDDEN = torch.randn(2, 3, 4)
+WEIGHT = torch.randn(5, 4)
+TARGET = torch.randint(0, 5, (2, 3))
+
+
+def _lm_head(hidden=HIDDEN, weight=WEIGHT, target=TARGET, **options):
+    return lambda: lm_head_token_logprobs(hidden, weight, target, **options)
+
+
+# name: (call, exception type, substrings the message must contain), as in test_errors.py
+BAD_INPUT_CASES = {
+    "hidden_1d": (
+        _lm_head(hidden=torch.randn(4), target=torch.tensor(1)),
+        ValueError,
+        ["[..., S, H]", "(4,)"],
+    ),
+    "hidden_int": (_lm_head(hidden=HIDDEN.long()), TypeError, ["floating-point", "torch.int64"]),
+    "empty_vocab_shard": (
+        _lm_head(weight=torch.randn(0, 4)),
+        ValueError,
+        ["(0, 4)", "empty", "at most V ranks"],
+    ),
+    "target_k_ids": (
+        _lm_head(target=TARGET[..., None].expand(2, 3, 2)),
+        ValueError,
+        ["(2, 3, 2)", "[..., S]", "one id per position", "token_logprobs"],
+    ),
+    "ignore_index_tensor": (
+        _lm_head(ignore_index=torch.tensor(3)),
+        TypeError,
+        ["ignore_index", "Python int", "tensor(3)"],
+    ),
+    "ignore_index_float": (
+        _lm_head(ignore_index=3.0),
+        TypeError,
+        ["ignore_index", "must be an int", "3.0"],
+    ),
+    "ignore_index_wraps_int32_target": (
+        _lm_head(target=TARGET.int(), ignore_index=2**32),
+        ValueError,
+        ["ignore_index=4294967296", "torch.int32", "target.long()"],
+    ),
+    "vocab_start_float": (_lm_head(vocab_start=2.0), TypeError, ["vocab_start", "int", "2.0"]),
+    "vocab_start_bool": (_lm_head(vocab_start=True), TypeError, ["vocab_start", "True"]),
+    "vocab_start_negative": (_lm_head(vocab_start=-1), ValueError, ["vocab_start", ">= 0", "-1"]),
+    "chunk_size_float": (_lm_head(chunk_size=2.5), TypeError, ["chunk_size", "int", "2.5"]),
+    "chunk_size_bool": (_lm_head(chunk_size=True), TypeError, ["chunk_size", "True"]),
+    "chunk_size_zero": (_lm_head(chunk_size=0), ValueError, ["chunk_size", ">= 1", "0"]),
+    "temperature_tensor": (
+        _lm_head(temperature=torch.full((2, 1), 0.7)),
+        TypeError,
+        ["float temperature", "tensor of shape (2, 1)", "token_logprobs"],
+    ),
+    "temperature_tensor_context_parallel": (
+        lambda: lm_head_context_parallel_logprobs(
+            HIDDEN[:, :2], WEIGHT, TARGET[:, :2], temperature=torch.tensor(0.7)
+        ),
+        TypeError,
+        ["float temperature", "token_logprobs"],
+    ),
+    "temperature_str": (_lm_head(temperature="0.7"), TypeError, ["temperature", "float", "'0.7'"]),
+    "temperature_bool": (_lm_head(temperature=True), TypeError, ["temperature", "True"]),
+    "temperature_zero": (_lm_head(temperature=0.0), ValueError, ["temperature", "0.0"]),
+    "temperature_negative": (_lm_head(temperature=-1), ValueError, ["temperature", "-1"]),
+    "temperature_nan": (_lm_head(temperature=float("nan")), ValueError, ["temperature", "nan"]),
+    "temperature_inf": (_lm_head(temperature=float("inf")), ValueError, ["temperature", "inf"]),
+    "temperature_huge_int": (
+        _lm_head(temperature=10**400),
+        ValueError,
+        ["temperature", "fp32", "10000000000"],
+    ),
+    "temperature_above_fp32": (_lm_head(temperature=1e39), ValueError, ["fp32", "1e+39"]),
+    "temperature_zero_in_fp32": (_lm_head(temperature=1e-50), ValueError, ["fp32", "1e-50"]),
+    "temperature_reciprocal_overflows_fp32": (
+        _lm_head(temperature=1e-39),
+        ValueError,
+        ["fp32", "1e-39"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT_CASES))
+def test_bad_input_message(case):
+    call, error, substrings = BAD_INPUT_CASES[case]
+    with pytest.raises(error) as raised:
+        call()
+    message = str(raised.value)
+    missing = [s for s in substrings if s not in message]
+    assert not missing, f"message {message!r} lacks {missing}"
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("shape", [(2, 0, 4), (0, 3, 4), (4, 2, 0, 4), (0, 4)])
+def test_empty_input_is_not_an_error(shape, chunk_size):
+    hidden = torch.randn(shape, requires_grad=True)
+    weight = WEIGHT.clone().requires_grad_()
+    target = torch.zeros(shape[:-1], dtype=torch.long)
+    logprobs, entropy = lm_head_token_logprobs(
+        hidden, weight, target, chunk_size=chunk_size, return_entropy=True
+    )
+    (logprobs.sum() + entropy.sum()).backward()
+    assert logprobs.shape == entropy.shape == shape[:-1]
+    assert hidden.grad.shape == shape and weight.grad.shape == WEIGHT.shape
+
+
+def _numpy_ints(options: dict) -> dict:
+    return {name: np.int64(value) for name, value in options.items()}
+
+
+def test_numpy_int_options_match_python_ints():
+    """The op's schema takes Python ints only: numpy ints are converted before the call."""
+    target = torch.where(TARGET == 0, IGNORE, TARGET + 3)  # this shard holds ids 3..7
+    options = {"vocab_start": 3, "chunk_size": 2, "ignore_index": IGNORE}
+    want = lm_head_token_logprobs(HIDDEN, WEIGHT, target, **options)
+    got = lm_head_token_logprobs(HIDDEN, WEIGHT, target, **_numpy_ints(options))
+    torch.testing.assert_close(got, want)
+
+
+def test_context_parallel_numpy_int_options_match_python_ints():
+    # vocab_start 0: the last position scores id 0 (see _cp_logprobs), which must be owned.
+    options = {"vocab_start": 0, "chunk_size": 1, "ignore_index": IGNORE}
+    args = (HIDDEN[:, :2], WEIGHT, TARGET[:, :2])
+    want = lm_head_context_parallel_logprobs(*args, **options)
+    got = lm_head_context_parallel_logprobs(*args, **_numpy_ints(options))
+    torch.testing.assert_close(got, want)
 
 # --- context parallelism: hidden states sharded like the logits of the CP entry points ---
 
