@@ -151,7 +151,7 @@ def lm_head_token_logprobs(
     vocab_start, ignore_index, chunk_size = _validate(
         hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
     )
-    lse, target_logit, mean_logit = _lm_head_ops.lm_head_stats(
+    _, log_total, target_logit, entropy = _lm_head_ops.lm_head_stats(
         core._as_batch(hidden, 2),
         weight,
         core._as_batch(target, 1),
@@ -162,9 +162,9 @@ def lm_head_token_logprobs(
         chunk_size=chunk_size,
         with_entropy=return_entropy,
     )
-    outputs = [(target_logit - lse).view(target.shape)]
+    outputs = [(target_logit - log_total).view(target.shape)]
     if return_entropy:
-        outputs.append((lse - mean_logit).view(target.shape))
+        outputs.append(entropy.view(target.shape))
     if ignore_index is not None:
         outputs = [torch.where(target == ignore_index, 0.0, out) for out in outputs]
     return tuple(outputs) if return_entropy else outputs[0]
