@@ -251,7 +251,7 @@ def exchange_stats(
         gathered = gathered.unflatten(0, (-1, stats.shape[0]))  # [R, B, S, F]
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
     shift = _finite_or_zero(row_max.amax(0))
-    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    inverse_t = torch.ones_like(shift) if temperature is None else 1.0 / temperature
     # Each shard summed exp(z − its own max); rescale to the common shift. A -inf shard's
     # factor is exp(-inf) = 0, whatever the shift it summed with.
     shard_mass = sum_exp * torch.exp((row_max - shift) * inverse_t)
@@ -266,10 +266,8 @@ def exchange_stats(
     else:
         entropy = torch.zeros_like(log_total)
 
-    def shifted(logits: torch.Tensor) -> torch.Tensor:
-        return (logits - shift.unsqueeze(-1)) * (
-            inverse_t if temperature is None else inverse_t.unsqueeze(-1)
-        )
+    def shifted(logits: torch.Tensor) -> torch.Tensor:  # [B, S, K] x -> z − shift / T
+        return (logits - shift.unsqueeze(-1)) * inverse_t.unsqueeze(-1)
 
     first = 3 if with_entropy else 2
     if topk:
