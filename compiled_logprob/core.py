@@ -345,7 +345,9 @@ def vocab_parallel_topk(
     (the block maxima that select them also give the row max), and the one all-gather of
     statistics carries them, so that the global ones are picked after it. Beyond the
     plain pass, it keeps one temporary: the block maxima, ``[..., S, V_local / 16]`` (per
-    chunk of ``chunk_size`` positions in eager). Requires ``k <= V_local``.
+    chunk of ``chunk_size`` positions in eager). Requires ``k <= V_local`` on every rank:
+    with uneven shards, ``k`` at most the smallest shard (a rank with fewer entries raises
+    before the collective, which the others would then wait in).
     """
     _validate_logits(logits, chunk_size)
     vocab_end = _as_int(vocab_start, "vocab_start", minimum=0) + logits.shape[-1]
