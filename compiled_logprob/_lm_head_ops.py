@@ -11,6 +11,8 @@
   ``_math.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
   (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
   because every rank's part covers only its vocabulary slice of the replicated hidden states.
+  Only the gradients that autograd asks for are formed (the other is an empty tensor): a
+  frozen LM head costs no fp32 ``[V_local, H]`` buffer and no second matmul per chunk.
 
 Both stay opaque to the compiler (no decomposition), so their loops over chunks never unroll
 into the graph and no ``[B, S, V_local]`` tensor exists anywhere: temporaries are
@@ -121,14 +123,15 @@ def lm_head_stats_backward(
     ignore_index: int | None,
     temperature: float,
     chunk_size: int | None,
+    needs_grad_hidden: bool,
+    needs_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = _temperature(hidden, temperature)
     targets = target.unsqueeze(-1)
     grad_target_logit = grad_target_logit.unsqueeze(-1)
-    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-    grad_weight = torch.zeros_like(
-        weight, dtype=torch.float32, memory_format=torch.contiguous_format
-    )
+    hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
+    grad_hidden = hidden.new_empty(hidden_shape)
+    grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
     for rows in _chunks(hidden, weight, chunk_size):
         grad = _math.grad_logits(
             grad_log_total[:, rows],
@@ -144,19 +147,29 @@ def lm_head_stats_backward(
             entropy=entropy[:, rows],
             eager=True,
         ).to(hidden.dtype)
-        grad_hidden[:, rows] = grad @ weight
-        _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1))
-    if group_name is not None:
+        if needs_grad_hidden:
+            grad_hidden[:, rows] = grad @ weight
+        if needs_grad_weight:
+            _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1))
+    if needs_grad_hidden and group_name is not None:
         grad_hidden = funcol.wait_tensor(funcol.all_reduce(grad_hidden, "sum", group_name))
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
+def _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight):
+    """The shapes of ``(grad_hidden, grad_weight)``: the inputs', or ``[0]`` where not needed."""
+    return (
+        hidden.shape if needs_grad_hidden else (0,),
+        weight.shape if needs_grad_weight else (0,),
+    )
+
+
 @lm_head_stats_backward.register_fake
 def _(grad_log_total, grad_target_logit, grad_entropy, hidden, weight, *rest, **options):
-    return (
-        torch.empty_like(hidden, memory_format=torch.contiguous_format),
-        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    hidden_shape, weight_shape = _grad_shapes(
+        hidden, weight, options["needs_grad_hidden"], options["needs_grad_weight"]
     )
+    return hidden.new_empty(hidden_shape), weight.new_empty(weight_shape)
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -173,6 +186,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
     hidden, weight, target, shift, log_total, entropy = ctx.saved_tensors
+    needs_grad_hidden, needs_grad_weight, _ = ctx.needs_input_grad
     grad_hidden, grad_weight = lm_head_stats_backward(
         grad_log_total,
         grad_target_logit,
@@ -184,8 +198,14 @@ def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
         log_total,
         entropy,
         **ctx.options,
+        needs_grad_hidden=needs_grad_hidden,
+        needs_grad_weight=needs_grad_weight,
     )
-    return grad_hidden, grad_weight, None
+    return (
+        grad_hidden if needs_grad_hidden else None,
+        grad_weight if needs_grad_weight else None,
+        None,
+    )
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup_context)

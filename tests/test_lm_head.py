@@ -214,7 +214,22 @@ def _opcheck_both(case: Case, group_name: str | None) -> None:
     grad_entropy = grads[2] if case.entropy else None
     args = (grads[0], grads[1], grad_entropy, hidden.detach(), weight.detach(), target)
     args += (shift, log_total, entropy)
-    torch.library.opcheck(_lm_head_ops.lm_head_stats_backward, args, options)
+    for needs in ((True, True), (True, False), (False, True)):
+        flags = dict(zip(("needs_grad_hidden", "needs_grad_weight"), needs))
+        torch.library.opcheck(_lm_head_ops.lm_head_stats_backward, args, {**options, **flags})
+
+
+def test_frozen_inputs_get_no_gradient_work():
+    """A frozen LM head (or frozen hidden states) gets no gradient buffer: the backward forms
+    only what autograd asks for, with the same values."""
+    hidden, weight, target, _ = _op_args(Case(), requires_grad=True)
+    both = torch.autograd.grad(lm_head_token_logprobs(hidden, weight, target).sum(), [hidden, weight])
+    for frozen, trained in ((weight, hidden), (hidden, weight)):
+        frozen.requires_grad_(False)
+        out = lm_head_token_logprobs(hidden, weight, target).sum()
+        (grad,) = torch.autograd.grad(out, trained)
+        torch.testing.assert_close(grad, both[0] if trained is hidden else both[1], rtol=0, atol=0)
+        frozen.requires_grad_(True)
 
 
 @pytest.mark.parametrize("case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=str)
