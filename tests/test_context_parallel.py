@@ -323,6 +323,66 @@ def _check_gather(tp, cp, seed=0):
     assert torch.equal(shard, _ref_shard(full, cp_rank, cp, 1))
 
 
+def _check_edge_cases(tp, cp):
+    """Empty input and ids that are never scored, under this grid's CP: S = 0 gives
+    ``[B, 0]``; an empty packed row gives zeros; ``input_ids[..., 0]`` (in a packed row,
+    each sequence's first token) may be anything, e.g. -1."""
+    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+
+    def plain(logits, ids, **options):
+        return cp_api.context_parallel_logprobs(
+            logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group, **options
+        )
+
+    def packed(logits, ids, cu, max_seqlen, **options):
+        return cp_api.packed_context_parallel_logprobs(
+            logits, ids, cu, max_seqlen=max_seqlen, vocab_start=lo, group=tp_group,
+            cp_group=cp_group, **options,
+        )
+
+    # S = 0, with 2 (padding) positions on each rank.
+    logits = torch.randn(BATCH, 2, hi - lo, requires_grad=True)
+    ids = torch.zeros(BATCH, 0, dtype=torch.long)
+    outs = (
+        *plain(logits, ids, return_entropy=True),
+        nemo.from_parallel_logits_to_logprobs(logits, ids, lo, hi, tp_group, cp_group=cp_group),
+    )
+    assert all(out.shape == (BATCH, 0) for out in outs), [out.shape for out in outs]
+    sum(out.sum() for out in outs).backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+    # An empty packed row.
+    logits = torch.randn(1, 0, hi - lo, requires_grad=True)
+    ids, cu = torch.zeros(1, 0, dtype=torch.long), torch.tensor([0, 0])
+    outs = (
+        *packed(logits, ids, cu, 5, return_entropy=True),
+        nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu, 5, lo, hi, tp_group, cp_group=cp_group
+        ),
+    )
+    assert all(torch.equal(out, torch.zeros(1, 4)) for out in outs), outs
+    sum(out.sum() for out in outs).backward()
+    assert logits.grad.shape == logits.shape
+
+    # Unscored ids: -1 where input_ids[..., 0] is (S = 2 * cp * 3 - 1 needs padding).
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(BATCH, 6 * cp, VOCAB, generator=gen)
+    logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi]
+    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp - 1), generator=gen)
+    ids_bad = ids.clone()
+    ids_bad[:, 0] = -1
+    assert torch.equal(plain(logits, ids_bad), plain(logits, ids))
+    full, packed_ids, cu = _packed_layout((5, 0, 9, 1), cp, 5, torch.int64)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    logits = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])[None, :, lo:hi]
+    ids_bad = packed_ids.clone()
+    ids_bad[[s for s, e in bounds if e > s]] = -1
+    logits = logits.float()
+    expected = packed(logits, packed_ids[None], cu, 8)
+    assert torch.equal(packed(logits, ids_bad[None], cu, 8), expected)
+
+
 def _check_grid(tp, cp):
     """The whole numerics battery of one grid, in one round trip to the pool."""
     seq = 13 if cp < 4 else 11  # both need padding
@@ -351,6 +411,7 @@ def _check_grid(tp, cp):
     ):
         _check_dtensor(tp, cp, api, 12 if cp < 4 else 16, chunk)
     _check_gather(tp, cp)
+    _check_edge_cases(tp, cp)
 
 
 # --- the tests -----------------------------------------------------------------------------
@@ -416,6 +477,78 @@ def test_without_torch_distributed():
         packed_full[None].float(), packed_ids[None], cu, 6, 0, VOCAB, None
     )
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_sequence_gives_no_positions():
+    """S = 0 gives ``[B, 0]`` however many (padding) positions the logits hold."""
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    for local_len in (0, 1, 4):
+        logits = torch.randn(2, local_len, 11, requires_grad=True)
+        outs = (
+            cp_api.context_parallel_logprobs(logits, ids),
+            *cp_api.context_parallel_logprobs(logits, ids, return_entropy=True, chunk_size=2),
+            nemo.from_parallel_logits_to_logprobs(logits, ids, 0, 11, None),
+            nemo.dtensor_from_parallel_logits_to_logprobs(logits, ids, 0, 11, None),
+        )
+        for out in outs:
+            assert out.shape == (2, 0), (local_len, out.shape)
+        sum(out.sum() for out in outs).backward()
+        assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_unscored_ids_may_be_anything():
+    """``input_ids[..., 0]`` (and in a packed row each sequence's first token) is never a
+    target: any value there, -1 or past the vocabulary, leaves the output as it is."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 11, (2, 9), generator=gen)
+    for local_len in (9, 12):  # 12: the padding scores id 0, whatever input_ids hold
+        logits = torch.randn(2, local_len, 11, generator=gen)
+        expected = cp_api.context_parallel_logprobs(logits, ids, return_entropy=True)
+        for bad in (-1, 11, 2**40):
+            ids_bad = ids.clone()
+            ids_bad[:, 0] = bad
+            out = cp_api.context_parallel_logprobs(logits, ids_bad, return_entropy=True)
+            assert all(map(torch.equal, out, expected)), (local_len, bad)
+            out = nemo.from_parallel_logits_to_logprobs(logits, ids_bad, 0, 11, None)
+            assert torch.equal(out, expected[0]), (local_len, bad)
+
+    full, packed_ids, cu = _packed_layout((3, 0, 6, 1), 1, 0, torch.int64)
+    firsts = cu[:-1][cu[1:] > cu[:-1]]  # the first token of each non-empty sequence
+    expected = _packed_oracle(full, packed_ids, cu, 6)
+    for bad in (-1, VOCAB):
+        ids_bad = packed_ids.clone()
+        ids_bad[firsts] = bad
+        for out in (
+            cp_api.packed_context_parallel_logprobs(
+                full[None].float(), ids_bad[None], cu, max_seqlen=6
+            ),
+            nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                full[None].float(), ids_bad[None], cu, 6, 0, VOCAB, None
+            ),
+        ):
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_packed_row_gives_zeros():
+    """A packed row of no tokens (``cu_seqlens_padded = [0, 0]``): zeros ``[1, max_seqlen - 1]``."""
+    ids, cu = torch.zeros(1, 0, dtype=torch.long), torch.tensor([0, 0])
+    for cu_dtype, max_seqlen in itertools.product((torch.int32, torch.int64), (1, 2, 6)):
+        logits = torch.randn(1, 0, 11, requires_grad=True)
+        outs = (
+            cp_api.packed_context_parallel_logprobs(
+                logits, ids, cu.to(cu_dtype), max_seqlen=max_seqlen
+            ),
+            *cp_api.packed_context_parallel_logprobs(
+                logits, ids, cu.to(cu_dtype), max_seqlen=max_seqlen, return_entropy=True
+            ),
+            nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                logits, ids, cu.to(cu_dtype), max_seqlen, 0, 11, None
+            ),
+        )
+        for out in outs:
+            assert torch.equal(out, torch.zeros(1, max_seqlen - 1)), (max_seqlen, out)
+        sum(out.sum() for out in outs).backward()
+        assert logits.grad.shape == logits.shape
 
 
 # --- compile contract, host syncs, bad input ---------------------------------------------

@@ -17,6 +17,10 @@ def _token_logprobs(logits=LOGITS, target=TARGET, **options):
     return lambda: cl.token_logprobs(logits, target, **options)
 
 
+def _cp_logprobs(logits=LOGITS, input_ids=TARGET, **options):
+    return lambda: cl.context_parallel_logprobs(logits, input_ids, **options)
+
+
 # name: (call, exception type, substrings the message must contain)
 CASES = {
     "logits_int": (
@@ -144,6 +148,38 @@ CASES = {
         lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, 0, 7, 0, None),
         ValueError,
         ["chunk_size", "0"],
+    ),
+    # seq_index: an int32/int64 permutation of the natural positions (here 0 .. 4).
+    "seq_index_bool": (
+        _cp_logprobs(seq_index=torch.ones(5, dtype=torch.bool)),
+        TypeError,
+        ["seq_index", "int32 or int64", "torch.bool"],
+    ),
+    "seq_index_float": (
+        _cp_logprobs(seq_index=torch.arange(5.0)),
+        TypeError,
+        ["seq_index", "int32 or int64", "torch.float32"],
+    ),
+    "seq_index_list": (
+        _cp_logprobs(seq_index=[0, 1, 2, 3, 4]),
+        TypeError,
+        ["seq_index", "int32 or int64", "list"],
+    ),
+    # Checked on the device (no host sync): torch._assert_async, a RuntimeError on the CPU.
+    "seq_index_duplicates": (
+        _cp_logprobs(seq_index=torch.tensor([0, 1, 1, 3, 4])),
+        RuntimeError,
+        ["seq_index", "permutation", "exactly once"],
+    ),
+    "seq_index_out_of_range": (
+        _cp_logprobs(seq_index=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)),
+        RuntimeError,
+        ["seq_index", "permutation"],
+    ),
+    "seq_index_negative": (
+        _cp_logprobs(seq_index=torch.tensor([-1, 0, 1, 2, 3])),
+        RuntimeError,
+        ["seq_index", "permutation"],
     ),
 }
 
