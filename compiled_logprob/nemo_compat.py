@@ -7,6 +7,9 @@ functional API. What differs, on purpose:
 * ``group=None`` (or a group of size 1) means an unsharded vocabulary and needs no
   ``torch.distributed``;
 * shards may be uneven: each rank passes its own ``vocab_start_index``/``vocab_end_index``;
+* ``_get_tokens_on_this_cp_rank`` raises a ``ValueError`` for a sequence length that is not a
+  multiple of ``2 * cp_size``, where NeMo-RL silently drops the remainder (with
+  ``cp_size == 1`` both return ``input_ids`` as it is, whatever ``cp_rank``);
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 The classes exist only so that ``X.apply(...)`` call sites keep working; they are not
@@ -117,12 +120,23 @@ def _get_tokens_on_this_cp_rank(
     input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1
 ) -> torch.Tensor:
     """CP rank ``cp_rank``'s load-balanced shard of ``input_ids`` along ``seq_dim``; see
-    :func:`compiled_logprob.shard_for_context_parallel`. Identity when ``cp_size == 1``."""
-    if not (isinstance(cp_size, int) and isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+    :func:`compiled_logprob.shard_for_context_parallel`.
+
+    ``input_ids`` itself when ``cp_size == 1``, whatever the (int) ``cp_rank``: NeMo-RL calls
+    it with ``torch.distributed.get_rank(cp_group)``, the global rank when there is no CP
+    group. The sequence length must be a multiple of ``2 * cp_size`` (NeMo-RL silently drops
+    the remainder: here it is a ``ValueError``).
+    """
+    cp_size = core._as_int(cp_size, "cp_size", minimum=1)
+    cp_rank = core._as_int(cp_rank, "cp_rank")
+    if cp_size == 1:
+        return input_ids
+    if not 0 <= cp_rank < cp_size:
         raise ValueError(
-            f"need ints 0 <= cp_rank < cp_size, got cp_rank={cp_rank!r}, cp_size={cp_size!r}"
+            f"cp_rank must be in [0, cp_size = {cp_size}), got {cp_rank}: pass this rank's "
+            "rank in the CP group"
         )
-    return context_parallel._shard(input_ids, cp_rank, cp_size, seq_dim)
+    return context_parallel._shard(input_ids, cp_rank, cp_size, core._as_int(seq_dim, "seq_dim"))
 
 
 class AllGatherCPTensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -452,12 +453,38 @@ def test_get_tokens_on_this_cp_rank(cp_size, chunk, lead, dim):
         assert torch.equal(shard, _ref_shard(x, rank, cp_size, dim))
 
 
+def test_get_tokens_on_this_cp_rank_without_cp():
+    """cp_size == 1 returns input_ids whatever the rank, as NeMo-RL (which passes the global
+    rank when there is no CP group, or -1 off the group); numpy ints are ints."""
+    x = torch.arange(10).view(2, 5)  # odd: no load-balanced chunks without CP
+    for rank in (0, 3, -1, np.int64(7)):
+        assert nemo._get_tokens_on_this_cp_rank(x, rank, 1) is x
+        assert nemo._get_tokens_on_this_cp_rank(x, rank, np.int32(1), 0) is x
+    y = torch.arange(24).view(2, 12)
+    shard = nemo._get_tokens_on_this_cp_rank(y, np.int64(1), np.int64(3), np.int64(1))
+    assert torch.equal(shard, _ref_shard(y, 1, 3, 1))
+
+
 def test_get_tokens_on_this_cp_rank_bad_input():
     x = torch.arange(12)
-    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 8"):
+    # NeMo-RL silently drops the last 12 % 8 tokens; here it is an error.
+    with pytest.raises(ValueError, match="12 .* not a multiple of 2 \\* cp_size = 8"):
         nemo._get_tokens_on_this_cp_rank(x, 0, 4, 0)
-    with pytest.raises(ValueError, match="0 <= cp_rank < cp_size"):
-        nemo._get_tokens_on_this_cp_rank(x, 2, 2, 0)
+    for rank in (2, -1):
+        pattern = f"cp_rank must be in \\[0, cp_size = 2\\), got {rank}"
+        with pytest.raises(ValueError, match=pattern):
+            nemo._get_tokens_on_this_cp_rank(x, rank, 2, 0)
+    with pytest.raises(ValueError, match="cp_size must be >= 1, got 0"):
+        nemo._get_tokens_on_this_cp_rank(x, 0, 0, 0)
+    for name, args in (
+        ("cp_rank", (1.0, 2)),
+        ("cp_size", (0, 2.0)),
+        ("cp_rank", (torch.tensor(0), 2)),
+        ("cp_size", (0, True)),
+        ("cp_rank", (None, 1)),
+    ):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            nemo._get_tokens_on_this_cp_rank(x, *args, 0)
 
 
 def test_without_torch_distributed():

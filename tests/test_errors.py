@@ -149,6 +149,26 @@ CASES = {
         ValueError,
         ["chunk_size", "0"],
     ),
+    "get_tokens_cp_rank_float": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 1.0, 2, 1),
+        TypeError,
+        ["cp_rank", "int", "1.0"],
+    ),
+    "get_tokens_cp_size_tensor": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 0, torch.tensor(2), 1),
+        TypeError,
+        ["cp_size", "Python int", "tensor(2)"],
+    ),
+    "get_tokens_cp_rank_out_of_range": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 2, 2, 1),
+        ValueError,
+        ["cp_rank", "[0, cp_size = 2)", "got 2"],
+    ),
+    "get_tokens_length_not_multiple": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 0, 2, 1),
+        ValueError,
+        ["sequence length 5", "multiple of 2 * cp_size = 4", "pad"],
+    ),
     # seq_index: an int32/int64 permutation of the natural positions (here 0 .. 4).
     "seq_index_bool": (
         _cp_logprobs(seq_index=torch.ones(5, dtype=torch.bool)),
