@@ -10,6 +10,9 @@ functional API. What differs, on purpose:
 * ``_get_tokens_on_this_cp_rank`` raises a ``ValueError`` for a sequence length that is not a
   multiple of ``2 * cp_size``, where NeMo-RL silently drops the remainder (with
   ``cp_size == 1`` both return ``input_ids`` as it is, whatever ``cp_rank``);
+* ``AllGatherCPTensor.apply`` and ``allgather_cp_sharded_tensor`` with ``cp_group=None``
+  gather over the default (WORLD) group, as NeMo-RL, when torch.distributed is initialised;
+  without it (where NeMo-RL raises) they return the tensor as it is;
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 The classes exist only so that ``X.apply(...)`` call sites keep working; they are not
@@ -147,14 +150,21 @@ class AllGatherCPTensor:
     def apply(
         tensor: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1
     ) -> torch.Tensor:
-        """All CP ranks' load-balanced shards along ``seq_dim``, gathered in natural order."""
+        """All CP ranks' load-balanced shards along ``seq_dim``, gathered in natural order.
+
+        ``cp_group=None`` is, as in NeMo-RL, torch.distributed's default (WORLD) group; when
+        torch.distributed is not initialised it means no CP, and ``tensor`` is returned as it is.
+        """
+        if cp_group is None and dist.is_available() and dist.is_initialized():
+            cp_group = dist.group.WORLD
         return context_parallel.gather_context_parallel(tensor, group=cp_group, dim=seq_dim)
 
 
 def allgather_cp_sharded_tensor(
     tensor: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1
 ) -> torch.Tensor:
-    """Drop-in for NeMo-RL's function of the same name: ``AllGatherCPTensor.apply``."""
+    """Drop-in for NeMo-RL's function of the same name: ``AllGatherCPTensor.apply`` (so
+    ``cp_group=None`` is the default group when torch.distributed is initialised)."""
     return AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
 
 

@@ -19,6 +19,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -323,6 +324,25 @@ def _check_gather(tp, cp, seed=0):
     shard = cp_api.shard_for_context_parallel(full, group=cp_group, dim=1)
     assert torch.equal(shard, _ref_shard(full, cp_rank, cp, 1))
 
+    # cp_group=None: as NeMo-RL, the default (WORLD) group, here of all tp * cp ranks.
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = torch.randn(3, 4 * world, 2, generator=gen, dtype=torch.float64)
+    upstreams = [
+        torch.randn(full.shape, generator=torch.Generator().manual_seed(50 + r), dtype=full.dtype)
+        for r in range(world)
+    ]
+    for name, gather in (
+        ("AllGatherCPTensor", lambda x: nemo.AllGatherCPTensor.apply(x, None)),
+        ("allgather_cp_sharded_tensor", lambda x: nemo.allgather_cp_sharded_tensor(x, None, 1)),
+    ):
+        local = _ref_shard(full, rank, world, 1).clone().requires_grad_()
+        out = gather(local)
+        assert torch.equal(out, full), name
+        out.backward(upstreams[rank])
+        torch.testing.assert_close(
+            local.grad, _ref_shard(sum(upstreams), rank, world, 1), msg=f"{name} cp_group=None"
+        )
+
 
 def _check_edge_cases(tp, cp):
     """Empty input and ids that are never scored, under this grid's CP: S = 0 gives
@@ -504,6 +524,11 @@ def test_without_torch_distributed():
         packed_full[None].float(), packed_ids[None], cu, 6, 0, VOCAB, None
     )
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # cp_group=None without torch.distributed: no CP, the tensor as it is.
+    assert not dist.is_initialized()
+    x = torch.randn(2, 5, 3)
+    assert nemo.AllGatherCPTensor.apply(x, None) is x
+    assert nemo.allgather_cp_sharded_tensor(x, None, seq_dim=1) is x
 
 
 def test_empty_sequence_gives_no_positions():
