@@ -154,16 +154,17 @@ def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None
 
 def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index):
     """Validated ``logits``' local log-prob computation: ``fn(target, *, temperature,
-    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`."""
+    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`. Integer options reach it as
+    Python ints (numpy's converted)."""
     core._validate_logits(logits, chunk_size)
     _check_ids(logits, input_ids, "logits")
     return functools.partial(
         core.token_logprobs,
         logits,
-        vocab_start=vocab_start,
+        vocab_start=core._as_int(vocab_start, "vocab_start", minimum=0),
         group=group,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
+        chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size"),
+        ignore_index=None if ignore_index is None else core._as_int(ignore_index, "ignore_index"),
     )
 
 
@@ -328,7 +329,8 @@ def _check_packed(
     max_seqlen: int,
     size: int,
     name: str,
-) -> None:
+) -> int:
+    """Checks the packed layout's arguments; returns ``max_seqlen`` as a Python int."""
     if shard.dim() != 3 or shard.shape[0] != 1:
         raise ValueError(f"packed {name} must be [1, T / C, *], got {tuple(shard.shape)}")
     if input_ids.shape[-1] != size * shard.shape[1]:
@@ -352,8 +354,7 @@ def _check_packed(
         raise ValueError(
             f"cu_seqlens_padded is on {cu_seqlens.device} but {name} on {shard.device}"
         )
-    if not isinstance(max_seqlen, int) or max_seqlen < 1:
-        raise ValueError(f"unpacked_seqlen/max_seqlen must be a positive int, got {max_seqlen!r}")
+    return core._as_int(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
 
 
 def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
@@ -438,7 +439,7 @@ def _packed_cp_logprobs(
     """:func:`packed_context_parallel_logprobs` of this rank's ``shard`` ``[1, T / C, *]``
     (``name``), whose log-probs ``local_fn`` computes as in :func:`_cp_logprobs`."""
     size, rank = _size_rank(cp_group)
-    _check_packed(shard, input_ids, cu_seqlens_padded, max_seqlen, size, name)
+    max_seqlen = _check_packed(shard, input_ids, cu_seqlens_padded, max_seqlen, size, name)
     local_len, total = shard.shape[1], input_ids.shape[-1]
     batch = cu_seqlens_padded.numel() - 1
     cu = cu_seqlens_padded.long()

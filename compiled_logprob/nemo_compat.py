@@ -32,8 +32,10 @@ __all__ = ["ChunkedDistributedLogprob", "DistributedLogprob", "_compute_distribu
 def _this_shard(
     logits: torch.Tensor, vocab_start_index: int, vocab_end_index: int, inference_only: bool
 ) -> tuple[torch.Tensor, int]:
-    """The logits (detached for ``inference_only``) and the shard's start, after checking
-    NeMo's redundant shard bounds against the shard's width."""
+    """The logits (detached for ``inference_only``) and the shard's start as a Python int,
+    after checking NeMo's redundant shard bounds against the shard's width."""
+    vocab_start_index = core._as_int(vocab_start_index, "vocab_start_index", minimum=0)
+    vocab_end_index = core._as_int(vocab_end_index, "vocab_end_index")
     width = logits.shape[-1]
     if vocab_end_index - vocab_start_index != width:
         raise ValueError(
@@ -91,7 +93,7 @@ class ChunkedDistributedLogprob:
             target,
             vocab_start=start,
             group=tp_group,
-            chunk_size=chunk_size,
+            chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size"),
         )
 
 

@@ -388,8 +388,8 @@ def _check_edge_cases(tp, cp):
 
     # Unscored ids: -1 where input_ids[..., 0] is (S = 2 * cp * 3 - 1 needs padding).
     gen = torch.Generator().manual_seed(5)
-    full = torch.randn(BATCH, 6 * cp, VOCAB, generator=gen)
-    logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi]
+    full_plain = torch.randn(BATCH, 6 * cp, VOCAB, generator=gen)
+    logits = _ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
     ids = torch.randint(0, VOCAB, (BATCH, 6 * cp - 1), generator=gen)
     ids_bad = ids.clone()
     ids_bad[:, 0] = -1
@@ -402,6 +402,23 @@ def _check_edge_cases(tp, cp):
     logits = logits.float()
     expected = packed(logits, packed_ids[None], cu, 8)
     assert torch.equal(packed(logits, ids_bad[None], cu, 8), expected)
+
+    # numpy ints, vocab_start > 0 under TP: the same results as Python ints.
+    assert torch.equal(
+        nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, packed_ids[None], cu, np.int64(8), np.int64(lo), np.int64(hi), tp_group,
+            cp_group=cp_group, chunk_size=np.int32(3),
+        ),
+        expected,
+    )
+    logits = _ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
+    assert torch.equal(
+        nemo.from_parallel_logits_to_logprobs(
+            logits, ids, np.int64(lo), np.int64(hi), tp_group, cp_group=cp_group,
+            chunk_size=np.int64(3),
+        ),
+        plain(logits, ids),
+    )
 
 
 def _check_grid(tp, cp):
@@ -529,6 +546,43 @@ def test_without_torch_distributed():
     x = torch.randn(2, 5, 3)
     assert nemo.AllGatherCPTensor.apply(x, None) is x
     assert nemo.allgather_cp_sharded_tensor(x, None, seq_dim=1) is x
+
+
+def test_numpy_ints_are_ints():
+    """numpy integer scalars (e.g. from a dataloader) work wherever an int does: the same
+    results as Python ints. (Under TP with vocab_start > 0 too: _check_edge_cases.)"""
+    full, ids, cu = _packed_layout((3, 1, 6, 5), 1, 0, torch.int64)
+    logits = full[None].float()
+    for max_seqlen in (1, 6, 9):
+        expected = cp_api.packed_context_parallel_logprobs(
+            logits, ids[None], cu, max_seqlen=max_seqlen
+        )
+        for np_int in (np.int64, np.int32, np.uint8):
+            out = cp_api.packed_context_parallel_logprobs(
+                logits, ids[None], cu, max_seqlen=np_int(max_seqlen), chunk_size=np_int(2)
+            )
+            assert torch.equal(out, expected), (max_seqlen, np_int)
+            out = nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                logits, ids[None], cu, np_int(max_seqlen), np_int(0), np_int(VOCAB), None
+            )
+            assert torch.equal(out, expected), (max_seqlen, np_int)
+    logits, ids = logits[:, :12], ids[None, :12]
+    expected = cp_api.context_parallel_logprobs(logits, ids)
+    for out in (
+        cp_api.context_parallel_logprobs(
+            logits, ids, vocab_start=np.int64(0), chunk_size=np.int64(5), ignore_index=np.int64(-1)
+        ),
+        nemo.from_parallel_logits_to_logprobs(
+            logits, ids, np.int64(0), np.int64(VOCAB), None, chunk_size=np.int64(5)
+        ),
+        nemo.dtensor_from_parallel_logits_to_logprobs(
+            logits, ids, np.int32(0), np.int32(VOCAB), None
+        ),
+        nemo.ChunkedDistributedLogprob.apply(
+            logits[:, :-1], ids[:, 1:], np.int64(0), np.int64(VOCAB), np.int64(3), None
+        ),
+    ):
+        assert torch.equal(out, expected)
 
 
 def test_empty_sequence_gives_no_positions():

@@ -21,6 +21,12 @@ def _cp_logprobs(logits=LOGITS, input_ids=TARGET, **options):
     return lambda: cl.context_parallel_logprobs(logits, input_ids, **options)
 
 
+def _packed_logprobs(**options):
+    return lambda: cl.packed_context_parallel_logprobs(
+        LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), **options
+    )
+
+
 # name: (call, exception type, substrings the message must contain)
 CASES = {
     "logits_int": (
@@ -168,6 +174,38 @@ CASES = {
         lambda: cl._get_tokens_on_this_cp_rank(TARGET, 0, 2, 1),
         ValueError,
         ["sequence length 5", "multiple of 2 * cp_size = 4", "pad"],
+    ),
+    "packed_max_seqlen_float": (
+        _packed_logprobs(max_seqlen=5.0),
+        TypeError,
+        ["unpacked_seqlen/max_seqlen", "int", "5.0"],
+    ),
+    "packed_max_seqlen_zero": (
+        _packed_logprobs(max_seqlen=0),
+        ValueError,
+        ["unpacked_seqlen/max_seqlen", ">= 1", "0"],
+    ),
+    "packed_unpacked_seqlen_bool": (
+        lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
+            LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), True, 0, 7, None
+        ),
+        TypeError,
+        ["unpacked_seqlen/max_seqlen", "True"],
+    ),
+    "drop_in_vocab_start_index_float": (
+        lambda: cl.DistributedLogprob.apply(LOGITS, TARGET, 0.0, 7, None),
+        TypeError,
+        ["vocab_start_index", "int", "0.0"],
+    ),
+    "drop_in_vocab_end_index_tensor": (
+        lambda: cl.from_parallel_logits_to_logprobs(LOGITS, TARGET, 0, torch.tensor(7), None),
+        TypeError,
+        ["vocab_end_index", "Python int", "tensor(7)"],
+    ),
+    "drop_in_vocab_start_index_negative": (
+        lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, -1, 6, 2, None),
+        ValueError,
+        ["vocab_start_index", ">= 0", "-1"],
     ),
     # seq_index: an int32/int64 permutation of the natural positions (here 0 .. 4).
     "seq_index_bool": (
