@@ -265,8 +265,6 @@ def get_logprobs_from_vocab_parallel_logits(
         raise ValueError(
             f"seq_index is given but the logits' device mesh (axes {names}) has no 'cp' axis"
         )
-    if not torch.is_grad_enabled():
-        vocab_parallel_logits = vocab_parallel_logits.detach()
     return dtensor.dtensor_logprobs(
         vocab_parallel_logits, input_ids, seq_index=seq_index, chunk_size=chunk_size
     )
