@@ -66,6 +66,24 @@ def vocab_shard_bounds(logits: DTensor, *, axis: str = "tp") -> tuple[int, int]:
     return start, min(vocab, start + width)
 
 
+def _check_no_empty_vocab_slice(logits: DTensor, *, axis: str = "tp") -> None:
+    """Raise, on every rank alike and before any collective, if some rank of ``axis`` holds
+    no vocabulary (``torch.chunk`` semantics: V = 9 over 4 ranks gives 3, 3, 3, 0). Each rank
+    computes all ranks' slices from the global shape, so none is left waiting in a
+    collective that an erroring rank never joins."""
+    vocab, ranks = logits.shape[-1], logits.device_mesh.size(_axis_index(logits, axis))
+    width = -(-vocab // ranks)
+    holding = -(-vocab // width) if vocab else 0  # ranks with a non-empty slice
+    if holding < ranks:
+        empty = f"rank {holding}" if holding == ranks - 1 else f"ranks {holding}..{ranks - 1}"
+        raise ValueError(
+            f"the vocabulary of V = {vocab} sharded over the {ranks} ranks of mesh axis "
+            f"{axis!r} leaves {empty} with an empty slice (DTensor's Shard splits like "
+            f"torch.chunk: ceil({vocab} / {ranks}) = {width} per rank): pad the vocabulary to "
+            f"a multiple of {ranks} (V = {width * ranks}) or shard it over fewer ranks"
+        )
+
+
 def _natural_ids(
     target: torch.Tensor, seq_index: torch.Tensor | None
 ) -> tuple[torch.Tensor, dist.ProcessGroup | None, torch.Tensor | None]:
@@ -150,8 +168,12 @@ def dtensor_logprobs(
             :func:`compiled_logprob.context_parallel_logprobs` (a plain tensor
             ``temperature`` in natural order); with ``return_entropy``, returns
             ``(logprobs, entropy)``.
+
+    A vocabulary split that leaves a TP rank no slice (V = 9 over 4 ranks: 3, 3, 3, 0) is a
+    ``ValueError`` on every rank, before any collective.
     """
     start, _ = vocab_shard_bounds(logits)
+    _check_no_empty_vocab_slice(logits)
     tp_group = logits.device_mesh.get_group("tp")
     return _local_logprobs(
         logits.to_local(),

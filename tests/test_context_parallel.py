@@ -467,13 +467,40 @@ def test_options(gloo_pool, tp, cp):
 
 
 def _check_uneven_vocab(tp):
+    """Returns, per entry point, the error of a vocabulary that leaves a rank empty."""
     for api in ("get_logprobs_from_vocab_parallel_logits", "dtensor_logprobs"):
         _check_dtensor(tp, 1, api, 12, None)
+    # V = 9 over 4 ranks: 3, 3, 3, 0. Every rank must raise (before any collective), not
+    # only the empty one while the others wait for it in the all-gather.
+    mesh, _, _, tp_rank, _ = _layout(tp, 1)
+    full = torch.randn(BATCH, 6, 9)
+    lo, hi = min(9, 3 * tp_rank), min(9, 3 * tp_rank + 3)
+    logits = DTensor.from_local(
+        full[..., lo:hi], mesh, [Replicate(), Shard(2)], run_check=False, shape=full.shape,
+        stride=full.stride(),
+    )
+    assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
+    ids = torch.randint(0, 9, (BATCH, 6))
+    messages = {}
+    for api, call in (
+        ("dtensor_logprobs", lambda: dt_api.dtensor_logprobs(logits, ids)),
+        ("get_logprobs", lambda: nemo.get_logprobs_from_vocab_parallel_logits(logits, ids)),
+    ):
+        with pytest.raises(ValueError) as raised:
+            call()
+        messages[api] = str(raised.value)
+    return messages
 
 
 def test_dtensor_uneven_vocab(gloo_pool):
-    """V = 97 over 4 TP ranks: DTensor gives 25, 25, 25, 22, not 97 // 4 each."""
-    gloo_pool(4).run(_check_uneven_vocab, 4)
+    """V = 97 over 4 TP ranks: DTensor gives 25, 25, 25, 22, not 97 // 4 each. V = 9 leaves
+    the last rank empty: every rank raises the same error, none hangs in a collective."""
+    messages = gloo_pool(4).run(_check_uneven_vocab, 4)
+    assert all(rank == messages[0] for rank in messages[1:]), messages
+    for message in messages[0].values():
+        for part in ("V = 9", "4 ranks of mesh axis 'tp'", "rank 3 with an empty slice",
+                     "ceil(9 / 4) = 3", "pad the vocabulary to a multiple of 4 (V = 12)"):
+            assert part in message, (part, message)
 
 
 @settings(max_examples=40, deadline=None)
