@@ -292,9 +292,14 @@ def _cp_logprobs(
     local_len, seq_len = shard.shape[-2], input_ids.shape[-1]
     padded_len = size * local_len
     if padded_len < seq_len:
+        where = (
+            f"on each of {size} CP ranks ({padded_len} in all)"
+            if size > 1
+            else "and there is no CP (cp_group is None or of size 1)"
+        )
         raise ValueError(
-            f"the {name} hold {local_len} positions on each of {size} CP ranks ({padded_len} in "
-            f"all), fewer than the {seq_len} positions of input_ids {tuple(input_ids.shape)}"
+            f"the {name} hold {local_len} positions {where}, fewer than the {seq_len} "
+            f"positions of input_ids {tuple(input_ids.shape)}"
         )
     if seq_index is None:
         _check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")

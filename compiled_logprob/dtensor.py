@@ -129,6 +129,17 @@ def _local_logprobs(
     **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``options``: ``ignore_index``, ``temperature``, ``return_entropy``."""
+    plain = isinstance(target, torch.Tensor) and not isinstance(target, DTensor)
+    if plain and target.dim() and logits.dim() >= 2 and logits.shape[-2] < target.shape[-1]:
+        # A plain target means no CP (as in NeMo-RL): the CP group comes from a DTensor
+        # target's mesh. (Shapes are validated later: only the clearer message is at stake.)
+        raise ValueError(
+            f"the logits hold {logits.shape[-2]} positions, fewer than the {target.shape[-1]} "
+            f"of the target {tuple(target.shape)}, a plain tensor (which means no CP): under "
+            "CP pass the target as a DTensor sharded on the sequence over mesh axis 'cp' in "
+            "seq_index order, e.g. distribute_tensor(ids[:, seq_index], mesh['cp'], [Shard(1)]), "
+            "and seq_index"
+        )
     input_ids, cp_group, seq_index = _natural_ids(target, seq_index)
     return context_parallel.context_parallel_logprobs(
         logits,
@@ -160,8 +171,9 @@ def dtensor_logprobs(
     Args:
         logits: DTensor ``[B, S, V]`` sharded on the vocabulary over mesh axis ``"tp"``
             (and, under CP, on the sequence over ``"cp"``: local ``[B, S / C, V_local]``).
-        input_ids: ``[B, S]`` token ids: a tensor in natural order, or a DTensor sharded on
-            the sequence over mesh axis ``"cp"`` holding the sequence in CP order.
+        input_ids: ``[B, S]`` token ids: a tensor in natural order (no CP), or a DTensor
+            sharded on the sequence over mesh axis ``"cp"`` holding the sequence in CP order
+            (under CP it must be one: its mesh gives the CP group).
         seq_index: ``[S]`` natural position of each CP-ordered position; required under CP.
         chunk_size: as in :func:`compiled_logprob.token_logprobs`.
         ignore_index, temperature, return_entropy: as in

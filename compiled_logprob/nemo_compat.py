@@ -237,7 +237,7 @@ def dtensor_from_parallel_logits_to_logprobs(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits; ``target``
-    is a tensor, or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
+    is a tensor (no CP), or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
     :func:`compiled_logprob.dtensor_logprobs`."""
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only

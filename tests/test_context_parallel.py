@@ -943,6 +943,18 @@ def _bad_input_messages(tp, cp):
             distribute_tensor(ids, mesh, [Shard(1), Replicate()]),
         ),
         "plain tensor logits": lambda: nemo.get_logprobs_from_vocab_parallel_logits(logits, ids),
+        # Sequence-sharded logits with a plain (natural-order) target: the CP group and the
+        # order come from a DTensor target.
+        "plain target under CP": lambda: nemo.get_logprobs_from_vocab_parallel_logits(
+            distribute_tensor(torch.randn(1, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]),
+            ids,
+            torch.arange(6 * cp),
+        ),
+        "plain target under CP, local logits": lambda: (
+            nemo.dtensor_from_parallel_logits_to_logprobs(
+                logits, ids, lo, hi, tp_group, seq_index=torch.arange(6 * cp)
+            )
+        ),
         "temperature shape": lambda: cp_api.context_parallel_logprobs(
             logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group,
             temperature=torch.ones(1, 6 * cp),
@@ -977,6 +989,11 @@ def test_bad_input(gloo_pool):
         "not vocab-sharded": "ValueError: the logits must be sharded on the vocabulary",
         "seq_index missing": "ValueError: seq_index must be given",
         "plain tensor logits": "TypeError: vocab_parallel_logits must be a DTensor",
+        "plain target under CP": "ValueError: the logits hold 6 positions, fewer than the 12 "
+        "of the target \\(1, 12\\), a plain tensor .*a DTensor sharded on the sequence over "
+        "mesh axis 'cp' in seq_index order",
+        "plain target under CP, local logits": "ValueError: the logits hold 6 positions, fewer "
+        "than the 12 .*a plain tensor \\(which means no CP\\).*DTensor",
         "temperature shape": "ValueError: temperature of shape \\(1, 12\\) does not broadcast "
         "to the output positions \\(1, 11\\)",
         "packed temperature shape": "ValueError: temperature of shape \\(3, 1\\) does not "

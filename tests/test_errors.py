@@ -207,6 +207,18 @@ CASES = {
         ValueError,
         ["vocab_start_index", ">= 0", "-1"],
     ),
+    "cp_logits_too_short_without_cp": (
+        _cp_logprobs(input_ids=torch.zeros(2, 8, dtype=torch.long)),
+        ValueError,
+        ["hold 5 positions", "no CP", "fewer than the 8 positions", "(2, 8)"],
+    ),
+    "dtensor_drop_in_plain_target_too_long": (
+        lambda: cl.dtensor_from_parallel_logits_to_logprobs(
+            LOGITS, torch.zeros(2, 10, dtype=torch.long), 0, 7, None, seq_index=torch.arange(10)
+        ),
+        ValueError,
+        ["hold 5 positions", "fewer than the 10", "(2, 10)", "plain tensor", "DTensor", "'cp'"],
+    ),
     # seq_index: an int32/int64 permutation of the natural positions (here 0 .. 4).
     "seq_index_bool": (
         _cp_logprobs(seq_index=torch.ones(5, dtype=torch.bool)),
