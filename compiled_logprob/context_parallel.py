@@ -39,6 +39,18 @@ __all__ = [
 ]
 
 
+def _int_arg(value: object, name: str, *, minimum: int | None = None) -> int:
+    """:func:`core._as_int` (numpy's and other integer scalars as Python ints; TypeError for
+    non-integers, ValueError below ``minimum``), except that a Python int is left as it is:
+    under torch.compile, ``operator.index`` would specialise a dynamic int such as
+    ``max_seqlen``, one recompile per value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return value
+    return core._as_int(value, name, minimum=minimum)
+
+
 def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     core._group_name(group)  # validates the group
     if group is None:
@@ -154,16 +166,17 @@ def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None
 
 def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index):
     """Validated ``logits``' local log-prob computation: ``fn(target, *, temperature,
-    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`."""
+    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`. Integer options reach it as
+    Python ints (numpy's converted)."""
     core._validate_logits(logits, chunk_size)
     _check_ids(logits, input_ids, "logits")
     return functools.partial(
         core.token_logprobs,
         logits,
-        vocab_start=vocab_start,
+        vocab_start=_int_arg(vocab_start, "vocab_start", minimum=0),
         group=group,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
+        chunk_size=None if chunk_size is None else _int_arg(chunk_size, "chunk_size"),
+        ignore_index=None if ignore_index is None else _int_arg(ignore_index, "ignore_index"),
     )
 
 
@@ -291,9 +304,14 @@ def _cp_logprobs(
     local_len, seq_len = shard.shape[-2], input_ids.shape[-1]
     padded_len = size * local_len
     if padded_len < seq_len:
+        where = (
+            f"on each of {size} CP ranks ({padded_len} in all)"
+            if size > 1
+            else "and there is no CP (cp_group is None or of size 1)"
+        )
         raise ValueError(
-            f"the {name} hold {local_len} positions on each of {size} CP ranks ({padded_len} in "
-            f"all), fewer than the {seq_len} positions of input_ids {tuple(input_ids.shape)}"
+            f"the {name} hold {local_len} positions {where}, fewer than the {seq_len} "
+            f"positions of input_ids {tuple(input_ids.shape)}"
         )
     if seq_index is None:
         _check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")
@@ -328,7 +346,8 @@ def _check_packed(
     max_seqlen: int,
     size: int,
     name: str,
-) -> None:
+) -> int:
+    """Checks the packed layout's arguments; returns ``max_seqlen`` as a Python int."""
     if shard.dim() != 3 or shard.shape[0] != 1:
         raise ValueError(f"packed {name} must be [1, T / C, *], got {tuple(shard.shape)}")
     if input_ids.shape[-1] != size * shard.shape[1]:
@@ -352,8 +371,7 @@ def _check_packed(
         raise ValueError(
             f"cu_seqlens_padded is on {cu_seqlens.device} but {name} on {shard.device}"
         )
-    if not isinstance(max_seqlen, int) or max_seqlen < 1:
-        raise ValueError(f"unpacked_seqlen/max_seqlen must be a positive int, got {max_seqlen!r}")
+    return _int_arg(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
 
 
 def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
@@ -438,7 +456,7 @@ def _packed_cp_logprobs(
     """:func:`packed_context_parallel_logprobs` of this rank's ``shard`` ``[1, T / C, *]``
     (``name``), whose log-probs ``local_fn`` computes as in :func:`_cp_logprobs`."""
     size, rank = _size_rank(cp_group)
-    _check_packed(shard, input_ids, cu_seqlens_padded, max_seqlen, size, name)
+    max_seqlen = _check_packed(shard, input_ids, cu_seqlens_padded, max_seqlen, size, name)
     local_len, total = shard.shape[1], input_ids.shape[-1]
     batch = cu_seqlens_padded.numel() - 1
     cu = cu_seqlens_padded.long()

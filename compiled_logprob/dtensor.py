@@ -66,6 +66,24 @@ def vocab_shard_bounds(logits: DTensor, *, axis: str = "tp") -> tuple[int, int]:
     return start, min(vocab, start + width)
 
 
+def _check_no_empty_vocab_slice(logits: DTensor, *, axis: str = "tp") -> None:
+    """Raise, on every rank alike and before any collective, if some rank of ``axis`` holds
+    no vocabulary (``torch.chunk`` semantics: V = 9 over 4 ranks gives 3, 3, 3, 0). Each rank
+    computes all ranks' slices from the global shape, so none is left waiting in a
+    collective that an erroring rank never joins."""
+    vocab, ranks = logits.shape[-1], logits.device_mesh.size(_axis_index(logits, axis))
+    width = -(-vocab // ranks)
+    holding = -(-vocab // width) if vocab else 0  # ranks with a non-empty slice
+    if holding < ranks:
+        empty = f"rank {holding}" if holding == ranks - 1 else f"ranks {holding}..{ranks - 1}"
+        raise ValueError(
+            f"the vocabulary of V = {vocab} sharded over the {ranks} ranks of mesh axis "
+            f"{axis!r} leaves {empty} with an empty slice (DTensor's Shard splits like "
+            f"torch.chunk: ceil({vocab} / {ranks}) = {width} per rank): pad the vocabulary to "
+            f"a multiple of {ranks} (V = {width * ranks}) or shard it over fewer ranks"
+        )
+
+
 def _natural_ids(
     target: torch.Tensor, seq_index: torch.Tensor | None
 ) -> tuple[torch.Tensor, dist.ProcessGroup | None, torch.Tensor | None]:
@@ -111,6 +129,17 @@ def _local_logprobs(
     **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``options``: ``ignore_index``, ``temperature``, ``return_entropy``."""
+    plain = isinstance(target, torch.Tensor) and not isinstance(target, DTensor)
+    if plain and target.dim() and logits.dim() >= 2 and logits.shape[-2] < target.shape[-1]:
+        # A plain target means no CP (as in NeMo-RL): the CP group comes from a DTensor
+        # target's mesh. (Shapes are validated later: only the clearer message is at stake.)
+        raise ValueError(
+            f"the logits hold {logits.shape[-2]} positions, fewer than the {target.shape[-1]} "
+            f"of the target {tuple(target.shape)}, a plain tensor (which means no CP): under "
+            "CP pass the target as a DTensor sharded on the sequence over mesh axis 'cp' in "
+            "seq_index order, e.g. distribute_tensor(ids[:, seq_index], mesh['cp'], [Shard(1)]), "
+            "and seq_index"
+        )
     input_ids, cp_group, seq_index = _natural_ids(target, seq_index)
     return context_parallel.context_parallel_logprobs(
         logits,
@@ -142,16 +171,21 @@ def dtensor_logprobs(
     Args:
         logits: DTensor ``[B, S, V]`` sharded on the vocabulary over mesh axis ``"tp"``
             (and, under CP, on the sequence over ``"cp"``: local ``[B, S / C, V_local]``).
-        input_ids: ``[B, S]`` token ids: a tensor in natural order, or a DTensor sharded on
-            the sequence over mesh axis ``"cp"`` holding the sequence in CP order.
+        input_ids: ``[B, S]`` token ids: a tensor in natural order (no CP), or a DTensor
+            sharded on the sequence over mesh axis ``"cp"`` holding the sequence in CP order
+            (under CP it must be one: its mesh gives the CP group).
         seq_index: ``[S]`` natural position of each CP-ordered position; required under CP.
         chunk_size: as in :func:`compiled_logprob.token_logprobs`.
         ignore_index, temperature, return_entropy: as in
             :func:`compiled_logprob.context_parallel_logprobs` (a plain tensor
             ``temperature`` in natural order); with ``return_entropy``, returns
             ``(logprobs, entropy)``.
+
+    A vocabulary split that leaves a TP rank no slice (V = 9 over 4 ranks: 3, 3, 3, 0) is a
+    ``ValueError`` on every rank, before any collective.
     """
     start, _ = vocab_shard_bounds(logits)
+    _check_no_empty_vocab_slice(logits)
     tp_group = logits.device_mesh.get_group("tp")
     return _local_logprobs(
         logits.to_local(),

@@ -7,6 +7,12 @@ functional API. What differs, on purpose:
 * ``group=None`` (or a group of size 1) means an unsharded vocabulary and needs no
   ``torch.distributed``;
 * shards may be uneven: each rank passes its own ``vocab_start_index``/``vocab_end_index``;
+* ``_get_tokens_on_this_cp_rank`` raises a ``ValueError`` for a sequence length that is not a
+  multiple of ``2 * cp_size``, where NeMo-RL silently drops the remainder (with
+  ``cp_size == 1`` both return ``input_ids`` as it is, whatever ``cp_rank``);
+* ``AllGatherCPTensor.apply`` and ``allgather_cp_sharded_tensor`` with ``cp_group=None``
+  gather over the default (WORLD) group, as NeMo-RL, when torch.distributed is initialised;
+  without it (where NeMo-RL raises) they return the tensor as it is;
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 The classes exist only so that ``X.apply(...)`` call sites keep working; they are not
@@ -20,14 +26,19 @@ import torch.distributed as dist
 
 from compiled_logprob import context_parallel, core, dtensor
 
+# Int arguments as Python ints (numpy's converted); a Python int stays dynamic under compile.
+_int_arg = context_parallel._int_arg
+
 __all__ = ["ChunkedDistributedLogprob", "DistributedLogprob", "_compute_distributed_log_softmax"]
 
 
 def _this_shard(
     logits: torch.Tensor, vocab_start_index: int, vocab_end_index: int, inference_only: bool
 ) -> tuple[torch.Tensor, int]:
-    """The logits (detached for ``inference_only``) and the shard's start, after checking
-    NeMo's redundant shard bounds against the shard's width."""
+    """The logits (detached for ``inference_only``) and the shard's start as a Python int,
+    after checking NeMo's redundant shard bounds against the shard's width."""
+    vocab_start_index = _int_arg(vocab_start_index, "vocab_start_index", minimum=0)
+    vocab_end_index = _int_arg(vocab_end_index, "vocab_end_index")
     width = logits.shape[-1]
     if vocab_end_index - vocab_start_index != width:
         raise ValueError(
@@ -85,7 +96,7 @@ class ChunkedDistributedLogprob:
             target,
             vocab_start=start,
             group=tp_group,
-            chunk_size=chunk_size,
+            chunk_size=None if chunk_size is None else _int_arg(chunk_size, "chunk_size"),
         )
 
 
@@ -117,12 +128,23 @@ def _get_tokens_on_this_cp_rank(
     input_ids: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1
 ) -> torch.Tensor:
     """CP rank ``cp_rank``'s load-balanced shard of ``input_ids`` along ``seq_dim``; see
-    :func:`compiled_logprob.shard_for_context_parallel`. Identity when ``cp_size == 1``."""
-    if not (isinstance(cp_size, int) and isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+    :func:`compiled_logprob.shard_for_context_parallel`.
+
+    ``input_ids`` itself when ``cp_size == 1``, whatever the (int) ``cp_rank``: NeMo-RL calls
+    it with ``torch.distributed.get_rank(cp_group)``, the global rank when there is no CP
+    group. The sequence length must be a multiple of ``2 * cp_size`` (NeMo-RL silently drops
+    the remainder: here it is a ``ValueError``).
+    """
+    cp_size = _int_arg(cp_size, "cp_size", minimum=1)
+    cp_rank = _int_arg(cp_rank, "cp_rank")
+    if cp_size == 1:
+        return input_ids
+    if not 0 <= cp_rank < cp_size:
         raise ValueError(
-            f"need ints 0 <= cp_rank < cp_size, got cp_rank={cp_rank!r}, cp_size={cp_size!r}"
+            f"cp_rank must be in [0, cp_size = {cp_size}), got {cp_rank}: pass this rank's "
+            "rank in the CP group"
         )
-    return context_parallel._shard(input_ids, cp_rank, cp_size, seq_dim)
+    return context_parallel._shard(input_ids, cp_rank, cp_size, _int_arg(seq_dim, "seq_dim"))
 
 
 class AllGatherCPTensor:
@@ -133,14 +155,21 @@ class AllGatherCPTensor:
     def apply(
         tensor: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1
     ) -> torch.Tensor:
-        """All CP ranks' load-balanced shards along ``seq_dim``, gathered in natural order."""
+        """All CP ranks' load-balanced shards along ``seq_dim``, gathered in natural order.
+
+        ``cp_group=None`` is, as in NeMo-RL, torch.distributed's default (WORLD) group; when
+        torch.distributed is not initialised it means no CP, and ``tensor`` is returned as it is.
+        """
+        if cp_group is None and dist.is_available() and dist.is_initialized():
+            cp_group = dist.group.WORLD
         return context_parallel.gather_context_parallel(tensor, group=cp_group, dim=seq_dim)
 
 
 def allgather_cp_sharded_tensor(
     tensor: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1
 ) -> torch.Tensor:
-    """Drop-in for NeMo-RL's function of the same name: ``AllGatherCPTensor.apply``."""
+    """Drop-in for NeMo-RL's function of the same name: ``AllGatherCPTensor.apply`` (so
+    ``cp_group=None`` is the default group when torch.distributed is initialised)."""
     return AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
 
 
@@ -211,7 +240,7 @@ def dtensor_from_parallel_logits_to_logprobs(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits; ``target``
-    is a tensor, or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
+    is a tensor (no CP), or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
     :func:`compiled_logprob.dtensor_logprobs`."""
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
@@ -239,8 +268,6 @@ def get_logprobs_from_vocab_parallel_logits(
         raise ValueError(
             f"seq_index is given but the logits' device mesh (axes {names}) has no 'cp' axis"
         )
-    if not torch.is_grad_enabled():
-        vocab_parallel_logits = vocab_parallel_logits.detach()
     return dtensor.dtensor_logprobs(
         vocab_parallel_logits, input_ids, seq_index=seq_index, chunk_size=chunk_size
     )

@@ -16,8 +16,10 @@ from __future__ import annotations
 import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -322,6 +324,102 @@ def _check_gather(tp, cp, seed=0):
     shard = cp_api.shard_for_context_parallel(full, group=cp_group, dim=1)
     assert torch.equal(shard, _ref_shard(full, cp_rank, cp, 1))
 
+    # cp_group=None: as NeMo-RL, the default (WORLD) group, here of all tp * cp ranks.
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = torch.randn(3, 4 * world, 2, generator=gen, dtype=torch.float64)
+    upstreams = [
+        torch.randn(full.shape, generator=torch.Generator().manual_seed(50 + r), dtype=full.dtype)
+        for r in range(world)
+    ]
+    for name, gather in (
+        ("AllGatherCPTensor", lambda x: nemo.AllGatherCPTensor.apply(x, None)),
+        ("allgather_cp_sharded_tensor", lambda x: nemo.allgather_cp_sharded_tensor(x, None, 1)),
+    ):
+        local = _ref_shard(full, rank, world, 1).clone().requires_grad_()
+        out = gather(local)
+        assert torch.equal(out, full), name
+        out.backward(upstreams[rank])
+        torch.testing.assert_close(
+            local.grad, _ref_shard(sum(upstreams), rank, world, 1), msg=f"{name} cp_group=None"
+        )
+
+
+def _check_edge_cases(tp, cp):
+    """Empty input and ids that are never scored, under this grid's CP: S = 0 gives
+    ``[B, 0]``; an empty packed row gives zeros; ``input_ids[..., 0]`` (in a packed row,
+    each sequence's first token) may be anything, e.g. -1."""
+    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+
+    def plain(logits, ids, **options):
+        return cp_api.context_parallel_logprobs(
+            logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group, **options
+        )
+
+    def packed(logits, ids, cu, max_seqlen, **options):
+        return cp_api.packed_context_parallel_logprobs(
+            logits, ids, cu, max_seqlen=max_seqlen, vocab_start=lo, group=tp_group,
+            cp_group=cp_group, **options,
+        )
+
+    # S = 0, with 2 (padding) positions on each rank.
+    logits = torch.randn(BATCH, 2, hi - lo, requires_grad=True)
+    ids = torch.zeros(BATCH, 0, dtype=torch.long)
+    outs = (
+        *plain(logits, ids, return_entropy=True),
+        nemo.from_parallel_logits_to_logprobs(logits, ids, lo, hi, tp_group, cp_group=cp_group),
+    )
+    assert all(out.shape == (BATCH, 0) for out in outs), [out.shape for out in outs]
+    sum(out.sum() for out in outs).backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+    # An empty packed row.
+    logits = torch.randn(1, 0, hi - lo, requires_grad=True)
+    ids, cu = torch.zeros(1, 0, dtype=torch.long), torch.tensor([0, 0])
+    outs = (
+        *packed(logits, ids, cu, 5, return_entropy=True),
+        nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, ids, cu, 5, lo, hi, tp_group, cp_group=cp_group
+        ),
+    )
+    assert all(torch.equal(out, torch.zeros(1, 4)) for out in outs), outs
+    sum(out.sum() for out in outs).backward()
+    assert logits.grad.shape == logits.shape
+
+    # Unscored ids: -1 where input_ids[..., 0] is (S = 2 * cp * 3 - 1 needs padding).
+    gen = torch.Generator().manual_seed(5)
+    full_plain = torch.randn(BATCH, 6 * cp, VOCAB, generator=gen)
+    logits = _ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
+    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp - 1), generator=gen)
+    ids_bad = ids.clone()
+    ids_bad[:, 0] = -1
+    assert torch.equal(plain(logits, ids_bad), plain(logits, ids))
+    full, packed_ids, cu = _packed_layout((5, 0, 9, 1), cp, 5, torch.int64)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    logits = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])[None, :, lo:hi]
+    ids_bad = packed_ids.clone()
+    ids_bad[[s for s, e in bounds if e > s]] = -1
+    logits = logits.float()
+    expected = packed(logits, packed_ids[None], cu, 8)
+    assert torch.equal(packed(logits, ids_bad[None], cu, 8), expected)
+
+    # numpy ints, vocab_start > 0 under TP: the same results as Python ints.
+    assert torch.equal(
+        nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, packed_ids[None], cu, np.int64(8), np.int64(lo), np.int64(hi), tp_group,
+            cp_group=cp_group, chunk_size=np.int32(3),
+        ),
+        expected,
+    )
+    logits = _ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
+    assert torch.equal(
+        nemo.from_parallel_logits_to_logprobs(
+            logits, ids, np.int64(lo), np.int64(hi), tp_group, cp_group=cp_group,
+            chunk_size=np.int64(3),
+        ),
+        plain(logits, ids),
+    )
+
 
 def _check_grid(tp, cp):
     """The whole numerics battery of one grid, in one round trip to the pool."""
@@ -351,6 +449,7 @@ def _check_grid(tp, cp):
     ):
         _check_dtensor(tp, cp, api, 12 if cp < 4 else 16, chunk)
     _check_gather(tp, cp)
+    _check_edge_cases(tp, cp)
 
 
 # --- the tests -----------------------------------------------------------------------------
@@ -368,13 +467,40 @@ def test_options(gloo_pool, tp, cp):
 
 
 def _check_uneven_vocab(tp):
+    """Returns, per entry point, the error of a vocabulary that leaves a rank empty."""
     for api in ("get_logprobs_from_vocab_parallel_logits", "dtensor_logprobs"):
         _check_dtensor(tp, 1, api, 12, None)
+    # V = 9 over 4 ranks: 3, 3, 3, 0. Every rank must raise (before any collective), not
+    # only the empty one while the others wait for it in the all-gather.
+    mesh, _, _, tp_rank, _ = _layout(tp, 1)
+    full = torch.randn(BATCH, 6, 9)
+    lo, hi = min(9, 3 * tp_rank), min(9, 3 * tp_rank + 3)
+    logits = DTensor.from_local(
+        full[..., lo:hi], mesh, [Replicate(), Shard(2)], run_check=False, shape=full.shape,
+        stride=full.stride(),
+    )
+    assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
+    ids = torch.randint(0, 9, (BATCH, 6))
+    messages = {}
+    for api, call in (
+        ("dtensor_logprobs", lambda: dt_api.dtensor_logprobs(logits, ids)),
+        ("get_logprobs", lambda: nemo.get_logprobs_from_vocab_parallel_logits(logits, ids)),
+    ):
+        with pytest.raises(ValueError) as raised:
+            call()
+        messages[api] = str(raised.value)
+    return messages
 
 
 def test_dtensor_uneven_vocab(gloo_pool):
-    """V = 97 over 4 TP ranks: DTensor gives 25, 25, 25, 22, not 97 // 4 each."""
-    gloo_pool(4).run(_check_uneven_vocab, 4)
+    """V = 97 over 4 TP ranks: DTensor gives 25, 25, 25, 22, not 97 // 4 each. V = 9 leaves
+    the last rank empty: every rank raises the same error, none hangs in a collective."""
+    messages = gloo_pool(4).run(_check_uneven_vocab, 4)
+    assert all(rank == messages[0] for rank in messages[1:]), messages
+    for message in messages[0].values():
+        for part in ("V = 9", "4 ranks of mesh axis 'tp'", "rank 3 with an empty slice",
+                     "ceil(9 / 4) = 3", "pad the vocabulary to a multiple of 4 (V = 12)"):
+            assert part in message, (part, message)
 
 
 @settings(max_examples=40, deadline=None)
@@ -391,12 +517,38 @@ def test_get_tokens_on_this_cp_rank(cp_size, chunk, lead, dim):
         assert torch.equal(shard, _ref_shard(x, rank, cp_size, dim))
 
 
+def test_get_tokens_on_this_cp_rank_without_cp():
+    """cp_size == 1 returns input_ids whatever the rank, as NeMo-RL (which passes the global
+    rank when there is no CP group, or -1 off the group); numpy ints are ints."""
+    x = torch.arange(10).view(2, 5)  # odd: no load-balanced chunks without CP
+    for rank in (0, 3, -1, np.int64(7)):
+        assert nemo._get_tokens_on_this_cp_rank(x, rank, 1) is x
+        assert nemo._get_tokens_on_this_cp_rank(x, rank, np.int32(1), 0) is x
+    y = torch.arange(24).view(2, 12)
+    shard = nemo._get_tokens_on_this_cp_rank(y, np.int64(1), np.int64(3), np.int64(1))
+    assert torch.equal(shard, _ref_shard(y, 1, 3, 1))
+
+
 def test_get_tokens_on_this_cp_rank_bad_input():
     x = torch.arange(12)
-    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 8"):
+    # NeMo-RL silently drops the last 12 % 8 tokens; here it is an error.
+    with pytest.raises(ValueError, match="12 .* not a multiple of 2 \\* cp_size = 8"):
         nemo._get_tokens_on_this_cp_rank(x, 0, 4, 0)
-    with pytest.raises(ValueError, match="0 <= cp_rank < cp_size"):
-        nemo._get_tokens_on_this_cp_rank(x, 2, 2, 0)
+    for rank in (2, -1):
+        pattern = f"cp_rank must be in \\[0, cp_size = 2\\), got {rank}"
+        with pytest.raises(ValueError, match=pattern):
+            nemo._get_tokens_on_this_cp_rank(x, rank, 2, 0)
+    with pytest.raises(ValueError, match="cp_size must be >= 1, got 0"):
+        nemo._get_tokens_on_this_cp_rank(x, 0, 0, 0)
+    for name, args in (
+        ("cp_rank", (1.0, 2)),
+        ("cp_size", (0, 2.0)),
+        ("cp_rank", (torch.tensor(0), 2)),
+        ("cp_size", (0, True)),
+        ("cp_rank", (None, 1)),
+    ):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            nemo._get_tokens_on_this_cp_rank(x, *args, 0)
 
 
 def test_without_torch_distributed():
@@ -416,6 +568,120 @@ def test_without_torch_distributed():
         packed_full[None].float(), packed_ids[None], cu, 6, 0, VOCAB, None
     )
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # cp_group=None without torch.distributed: no CP, the tensor as it is.
+    assert not dist.is_initialized()
+    x = torch.randn(2, 5, 3)
+    assert nemo.AllGatherCPTensor.apply(x, None) is x
+    assert nemo.allgather_cp_sharded_tensor(x, None, seq_dim=1) is x
+
+
+def test_numpy_ints_are_ints():
+    """numpy integer scalars (e.g. from a dataloader) work wherever an int does: the same
+    results as Python ints. (Under TP with vocab_start > 0 too: _check_edge_cases.)"""
+    full, ids, cu = _packed_layout((3, 1, 6, 5), 1, 0, torch.int64)
+    logits = full[None].float()
+    for max_seqlen in (1, 6, 9):
+        expected = cp_api.packed_context_parallel_logprobs(
+            logits, ids[None], cu, max_seqlen=max_seqlen
+        )
+        for np_int in (np.int64, np.int32, np.uint8):
+            out = cp_api.packed_context_parallel_logprobs(
+                logits, ids[None], cu, max_seqlen=np_int(max_seqlen), chunk_size=np_int(2)
+            )
+            assert torch.equal(out, expected), (max_seqlen, np_int)
+            out = nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                logits, ids[None], cu, np_int(max_seqlen), np_int(0), np_int(VOCAB), None
+            )
+            assert torch.equal(out, expected), (max_seqlen, np_int)
+    logits, ids = logits[:, :12], ids[None, :12]
+    expected = cp_api.context_parallel_logprobs(logits, ids)
+    for out in (
+        cp_api.context_parallel_logprobs(
+            logits, ids, vocab_start=np.int64(0), chunk_size=np.int64(5), ignore_index=np.int64(-1)
+        ),
+        nemo.from_parallel_logits_to_logprobs(
+            logits, ids, np.int64(0), np.int64(VOCAB), None, chunk_size=np.int64(5)
+        ),
+        nemo.dtensor_from_parallel_logits_to_logprobs(
+            logits, ids, np.int32(0), np.int32(VOCAB), None
+        ),
+        nemo.ChunkedDistributedLogprob.apply(
+            logits[:, :-1], ids[:, 1:], np.int64(0), np.int64(VOCAB), np.int64(3), None
+        ),
+    ):
+        assert torch.equal(out, expected)
+
+
+def test_empty_sequence_gives_no_positions():
+    """S = 0 gives ``[B, 0]`` however many (padding) positions the logits hold."""
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    for local_len in (0, 1, 4):
+        logits = torch.randn(2, local_len, 11, requires_grad=True)
+        outs = (
+            cp_api.context_parallel_logprobs(logits, ids),
+            *cp_api.context_parallel_logprobs(logits, ids, return_entropy=True, chunk_size=2),
+            nemo.from_parallel_logits_to_logprobs(logits, ids, 0, 11, None),
+            nemo.dtensor_from_parallel_logits_to_logprobs(logits, ids, 0, 11, None),
+        )
+        for out in outs:
+            assert out.shape == (2, 0), (local_len, out.shape)
+        sum(out.sum() for out in outs).backward()
+        assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_unscored_ids_may_be_anything():
+    """``input_ids[..., 0]`` (and in a packed row each sequence's first token) is never a
+    target: any value there, -1 or past the vocabulary, leaves the output as it is."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 11, (2, 9), generator=gen)
+    for local_len in (9, 12):  # 12: the padding scores id 0, whatever input_ids hold
+        logits = torch.randn(2, local_len, 11, generator=gen)
+        expected = cp_api.context_parallel_logprobs(logits, ids, return_entropy=True)
+        for bad in (-1, 11, 2**40):
+            ids_bad = ids.clone()
+            ids_bad[:, 0] = bad
+            out = cp_api.context_parallel_logprobs(logits, ids_bad, return_entropy=True)
+            assert all(map(torch.equal, out, expected)), (local_len, bad)
+            out = nemo.from_parallel_logits_to_logprobs(logits, ids_bad, 0, 11, None)
+            assert torch.equal(out, expected[0]), (local_len, bad)
+
+    full, packed_ids, cu = _packed_layout((3, 0, 6, 1), 1, 0, torch.int64)
+    firsts = cu[:-1][cu[1:] > cu[:-1]]  # the first token of each non-empty sequence
+    expected = _packed_oracle(full, packed_ids, cu, 6)
+    for bad in (-1, VOCAB):
+        ids_bad = packed_ids.clone()
+        ids_bad[firsts] = bad
+        for out in (
+            cp_api.packed_context_parallel_logprobs(
+                full[None].float(), ids_bad[None], cu, max_seqlen=6
+            ),
+            nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                full[None].float(), ids_bad[None], cu, 6, 0, VOCAB, None
+            ),
+        ):
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_packed_row_gives_zeros():
+    """A packed row of no tokens (``cu_seqlens_padded = [0, 0]``): zeros ``[1, max_seqlen - 1]``."""
+    ids, cu = torch.zeros(1, 0, dtype=torch.long), torch.tensor([0, 0])
+    for cu_dtype, max_seqlen in itertools.product((torch.int32, torch.int64), (1, 2, 6)):
+        logits = torch.randn(1, 0, 11, requires_grad=True)
+        outs = (
+            cp_api.packed_context_parallel_logprobs(
+                logits, ids, cu.to(cu_dtype), max_seqlen=max_seqlen
+            ),
+            *cp_api.packed_context_parallel_logprobs(
+                logits, ids, cu.to(cu_dtype), max_seqlen=max_seqlen, return_entropy=True
+            ),
+            nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                logits, ids, cu.to(cu_dtype), max_seqlen, 0, 11, None
+            ),
+        )
+        for out in outs:
+            assert torch.equal(out, torch.zeros(1, max_seqlen - 1)), (max_seqlen, out)
+        sum(out.sum() for out in outs).backward()
+        assert logits.grad.shape == logits.shape
 
 
 # --- compile contract, host syncs, bad input ---------------------------------------------
@@ -677,6 +943,18 @@ def _bad_input_messages(tp, cp):
             distribute_tensor(ids, mesh, [Shard(1), Replicate()]),
         ),
         "plain tensor logits": lambda: nemo.get_logprobs_from_vocab_parallel_logits(logits, ids),
+        # Sequence-sharded logits with a plain (natural-order) target: the CP group and the
+        # order come from a DTensor target.
+        "plain target under CP": lambda: nemo.get_logprobs_from_vocab_parallel_logits(
+            distribute_tensor(torch.randn(1, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]),
+            ids,
+            torch.arange(6 * cp),
+        ),
+        "plain target under CP, local logits": lambda: (
+            nemo.dtensor_from_parallel_logits_to_logprobs(
+                logits, ids, lo, hi, tp_group, seq_index=torch.arange(6 * cp)
+            )
+        ),
         "temperature shape": lambda: cp_api.context_parallel_logprobs(
             logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group,
             temperature=torch.ones(1, 6 * cp),
@@ -711,6 +989,11 @@ def test_bad_input(gloo_pool):
         "not vocab-sharded": "ValueError: the logits must be sharded on the vocabulary",
         "seq_index missing": "ValueError: seq_index must be given",
         "plain tensor logits": "TypeError: vocab_parallel_logits must be a DTensor",
+        "plain target under CP": "ValueError: the logits hold 6 positions, fewer than the 12 "
+        "of the target \\(1, 12\\), a plain tensor .*a DTensor sharded on the sequence over "
+        "mesh axis 'cp' in seq_index order",
+        "plain target under CP, local logits": "ValueError: the logits hold 6 positions, fewer "
+        "than the 12 .*a plain tensor \\(which means no CP\\).*DTensor",
         "temperature shape": "ValueError: temperature of shape \\(1, 12\\) does not broadcast "
         "to the output positions \\(1, 11\\)",
         "packed temperature shape": "ValueError: temperature of shape \\(3, 1\\) does not "

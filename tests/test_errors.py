@@ -17,6 +17,16 @@ def _token_logprobs(logits=LOGITS, target=TARGET, **options):
     return lambda: cl.token_logprobs(logits, target, **options)
 
 
+def _cp_logprobs(logits=LOGITS, input_ids=TARGET, **options):
+    return lambda: cl.context_parallel_logprobs(logits, input_ids, **options)
+
+
+def _packed_logprobs(**options):
+    return lambda: cl.packed_context_parallel_logprobs(
+        LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), **options
+    )
+
+
 # name: (call, exception type, substrings the message must contain)
 CASES = {
     "logits_int": (
@@ -144,6 +154,102 @@ CASES = {
         lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, 0, 7, 0, None),
         ValueError,
         ["chunk_size", "0"],
+    ),
+    "get_tokens_cp_rank_float": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 1.0, 2, 1),
+        TypeError,
+        ["cp_rank", "int", "1.0"],
+    ),
+    "get_tokens_cp_size_tensor": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 0, torch.tensor(2), 1),
+        TypeError,
+        ["cp_size", "Python int", "tensor(2)"],
+    ),
+    "get_tokens_cp_rank_out_of_range": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 2, 2, 1),
+        ValueError,
+        ["cp_rank", "[0, cp_size = 2)", "got 2"],
+    ),
+    "get_tokens_length_not_multiple": (
+        lambda: cl._get_tokens_on_this_cp_rank(TARGET, 0, 2, 1),
+        ValueError,
+        ["sequence length 5", "multiple of 2 * cp_size = 4", "pad"],
+    ),
+    "packed_max_seqlen_float": (
+        _packed_logprobs(max_seqlen=5.0),
+        TypeError,
+        ["unpacked_seqlen/max_seqlen", "int", "5.0"],
+    ),
+    "packed_max_seqlen_zero": (
+        _packed_logprobs(max_seqlen=0),
+        ValueError,
+        ["unpacked_seqlen/max_seqlen", ">= 1", "0"],
+    ),
+    "packed_unpacked_seqlen_bool": (
+        lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
+            LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), True, 0, 7, None
+        ),
+        TypeError,
+        ["unpacked_seqlen/max_seqlen", "True"],
+    ),
+    "drop_in_vocab_start_index_float": (
+        lambda: cl.DistributedLogprob.apply(LOGITS, TARGET, 0.0, 7, None),
+        TypeError,
+        ["vocab_start_index", "int", "0.0"],
+    ),
+    "drop_in_vocab_end_index_tensor": (
+        lambda: cl.from_parallel_logits_to_logprobs(LOGITS, TARGET, 0, torch.tensor(7), None),
+        TypeError,
+        ["vocab_end_index", "Python int", "tensor(7)"],
+    ),
+    "drop_in_vocab_start_index_negative": (
+        lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, -1, 6, 2, None),
+        ValueError,
+        ["vocab_start_index", ">= 0", "-1"],
+    ),
+    "cp_logits_too_short_without_cp": (
+        _cp_logprobs(input_ids=torch.zeros(2, 8, dtype=torch.long)),
+        ValueError,
+        ["hold 5 positions", "no CP", "fewer than the 8 positions", "(2, 8)"],
+    ),
+    "dtensor_drop_in_plain_target_too_long": (
+        lambda: cl.dtensor_from_parallel_logits_to_logprobs(
+            LOGITS, torch.zeros(2, 10, dtype=torch.long), 0, 7, None, seq_index=torch.arange(10)
+        ),
+        ValueError,
+        ["hold 5 positions", "fewer than the 10", "(2, 10)", "plain tensor", "DTensor", "'cp'"],
+    ),
+    # seq_index: an int32/int64 permutation of the natural positions (here 0 .. 4).
+    "seq_index_bool": (
+        _cp_logprobs(seq_index=torch.ones(5, dtype=torch.bool)),
+        TypeError,
+        ["seq_index", "int32 or int64", "torch.bool"],
+    ),
+    "seq_index_float": (
+        _cp_logprobs(seq_index=torch.arange(5.0)),
+        TypeError,
+        ["seq_index", "int32 or int64", "torch.float32"],
+    ),
+    "seq_index_list": (
+        _cp_logprobs(seq_index=[0, 1, 2, 3, 4]),
+        TypeError,
+        ["seq_index", "int32 or int64", "list"],
+    ),
+    # Checked on the device (no host sync): torch._assert_async, a RuntimeError on the CPU.
+    "seq_index_duplicates": (
+        _cp_logprobs(seq_index=torch.tensor([0, 1, 1, 3, 4])),
+        RuntimeError,
+        ["seq_index", "permutation", "exactly once"],
+    ),
+    "seq_index_out_of_range": (
+        _cp_logprobs(seq_index=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)),
+        RuntimeError,
+        ["seq_index", "permutation"],
+    ),
+    "seq_index_negative": (
+        _cp_logprobs(seq_index=torch.tensor([-1, 0, 1, 2, 3])),
+        RuntimeError,
+        ["seq_index", "permutation"],
     ),
 }
 
