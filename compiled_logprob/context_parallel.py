@@ -39,18 +39,6 @@ __all__ = [
 ]
 
 
-def _int_arg(value: object, name: str, *, minimum: int | None = None) -> int:
-    """:func:`core._as_int` (numpy's and other integer scalars as Python ints; TypeError for
-    non-integers, ValueError below ``minimum``), except that a Python int is left as it is:
-    under torch.compile, ``operator.index`` would specialise a dynamic int such as
-    ``max_seqlen``, one recompile per value."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if minimum is not None and value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return value
-    return core._as_int(value, name, minimum=minimum)
-
-
 def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     core._group_name(group)  # validates the group
     if group is None:
@@ -173,10 +161,10 @@ def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_i
     return functools.partial(
         core.token_logprobs,
         logits,
-        vocab_start=_int_arg(vocab_start, "vocab_start", minimum=0),
+        vocab_start=core._as_int(vocab_start, "vocab_start", minimum=0),
         group=group,
-        chunk_size=None if chunk_size is None else _int_arg(chunk_size, "chunk_size"),
-        ignore_index=None if ignore_index is None else _int_arg(ignore_index, "ignore_index"),
+        chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size"),
+        ignore_index=None if ignore_index is None else core._as_int(ignore_index, "ignore_index"),
     )
 
 
@@ -371,7 +359,7 @@ def _check_packed(
         raise ValueError(
             f"cu_seqlens_padded is on {cu_seqlens.device} but {name} on {shard.device}"
         )
-    return _int_arg(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
+    return core._as_int(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
 
 
 def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:

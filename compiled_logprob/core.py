@@ -60,12 +60,17 @@ def _as_batch(tensor: torch.Tensor, kept_dims: int) -> torch.Tensor:
 
 
 def _as_int(value: object, name: str, *, minimum: int | None = None) -> int:
-    """``value`` as a Python int, for an op's int argument: ints and integer scalars (numpy's
-    too), not bools, floats or tensors (a tensor would be read on the host)."""
-    if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
-        hint = "; pass a Python int (a tensor would be read on the host)"
-        raise TypeError(f"{name} must be an int, got {value!r:.80}" + hint * isinstance(value, torch.Tensor))
-    value = operator.index(value)
+    """``value`` as an int, for an op's int argument: ints and integer scalars (numpy's too),
+    not bools, floats or tensors (a tensor would be read on the host). A Python int is
+    returned as it is: under torch.compile, ``operator.index`` would specialise a dynamic
+    one (such as ``max_seqlen``), one recompile per value."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
+            hint = "; pass a Python int (a tensor would be read on the host)"
+            raise TypeError(
+                f"{name} must be an int, got {value!r:.80}" + hint * isinstance(value, torch.Tensor)
+            )
+        value = operator.index(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if not -(2**63) <= value < 2**63:
@@ -208,12 +213,12 @@ def _stats(
     )
     shift, log_total, target_logit, entropy, topk_ids = _ops.vocab_parallel_stats(
         *args,
-        vocab_start=operator.index(vocab_start),
+        vocab_start=_as_int(vocab_start, "vocab_start"),
         group_name=_group_name(group),
-        ignore_index=None if ignore_index is None else operator.index(ignore_index),
+        ignore_index=None if ignore_index is None else _as_int(ignore_index, "ignore_index"),
         with_entropy=with_entropy,
-        topk=topk,
-        chunk_size=None if chunk_size is None else operator.index(chunk_size),
+        topk=_as_int(topk, "k"),
+        chunk_size=None if chunk_size is None else _as_int(chunk_size, "chunk_size"),
     )
     return (
         shift.view(rows_shape),

@@ -26,9 +26,6 @@ import torch.distributed as dist
 
 from compiled_logprob import context_parallel, core, dtensor
 
-# Int arguments as Python ints (numpy's converted); a Python int stays dynamic under compile.
-_int_arg = context_parallel._int_arg
-
 __all__ = ["ChunkedDistributedLogprob", "DistributedLogprob", "_compute_distributed_log_softmax"]
 
 
@@ -37,8 +34,8 @@ def _this_shard(
 ) -> tuple[torch.Tensor, int]:
     """The logits (detached for ``inference_only``) and the shard's start as a Python int,
     after checking NeMo's redundant shard bounds against the shard's width."""
-    vocab_start_index = _int_arg(vocab_start_index, "vocab_start_index", minimum=0)
-    vocab_end_index = _int_arg(vocab_end_index, "vocab_end_index")
+    vocab_start_index = core._as_int(vocab_start_index, "vocab_start_index", minimum=0)
+    vocab_end_index = core._as_int(vocab_end_index, "vocab_end_index")
     width = logits.shape[-1]
     if vocab_end_index - vocab_start_index != width:
         raise ValueError(
@@ -96,7 +93,7 @@ class ChunkedDistributedLogprob:
             target,
             vocab_start=start,
             group=tp_group,
-            chunk_size=None if chunk_size is None else _int_arg(chunk_size, "chunk_size"),
+            chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size"),
         )
 
 
@@ -135,8 +132,8 @@ def _get_tokens_on_this_cp_rank(
     group. The sequence length must be a multiple of ``2 * cp_size`` (NeMo-RL silently drops
     the remainder: here it is a ``ValueError``).
     """
-    cp_size = _int_arg(cp_size, "cp_size", minimum=1)
-    cp_rank = _int_arg(cp_rank, "cp_rank")
+    cp_size = core._as_int(cp_size, "cp_size", minimum=1)
+    cp_rank = core._as_int(cp_rank, "cp_rank")
     if cp_size == 1:
         return input_ids
     if not 0 <= cp_rank < cp_size:
@@ -144,7 +141,7 @@ def _get_tokens_on_this_cp_rank(
             f"cp_rank must be in [0, cp_size = {cp_size}), got {cp_rank}: pass this rank's "
             "rank in the CP group"
         )
-    return context_parallel._shard(input_ids, cp_rank, cp_size, _int_arg(seq_dim, "seq_dim"))
+    return context_parallel._shard(input_ids, cp_rank, cp_size, core._as_int(seq_dim, "seq_dim"))
 
 
 class AllGatherCPTensor:
