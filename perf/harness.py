@@ -50,14 +50,16 @@ PERF_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(PERF_DIR, "results")
 
 
-def write_result(name: str, device: str, quick: bool, report: str) -> str:
-    """Print ``report`` and write it to ``results/{name}_{device type}[_quick].md``."""
+def write_result(name: str, device: str, quick: bool, report: str, *, quiet: bool = False) -> str:
+    """Write ``report`` to ``results/{name}_{device type}[_quick].md`` and print it (unless
+    ``quiet``: a partial report rewritten as a run goes)."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, f"{name}_{device.split(':')[0]}{'_quick' if quick else ''}.md")
     with open(path, "w") as f:
         f.write(report)
-    print(report)
-    print(f"wrote {path}")
+    if not quiet:
+        print(report)
+        print(f"wrote {path}")
     return path
 
 
