@@ -1,15 +1,32 @@
 #!/usr/bin/env bash
-# The TP benchmark on a lent GPU (H200), in one short run (< 5 minutes):
+# The TP benchmark on a lent GPU (H200), in one run of at most 7 minutes (420 s, kills
+# included, enforced below; on a fresh machine most of it is cold Triton compiles):
 #   the time/memory table on CUDA (torch.cuda.max_memory_allocated, achieved bandwidth vs
-#   ~4.8 TB/s), compile time, and a CUDA-graph capture of a compiled training step.
+#   ~4.8 TB/s), a CUDA-graph capture of a compiled training step checked against eager, and
+#   compile time.
 #
-#   perf/gpu.sh                      # on the GPU machine, from the repository root
-#   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU
+#   perf/gpu.sh                      # on the GPU machine, from anywhere
+#   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU (limits × 3)
 #
-# Works on a bare machine with the image's torch: installs the package without dependencies
-# (matplotlib is optional there: without it the PNG is skipped, the tables are still written).
-set -euo pipefail
+# Every step runs under its own `timeout`, each cut to what is left of the 420 s; a step that
+# fails or times out is reported and the next one runs, and the exit status is non-zero if
+# any step failed. bench_tp and cuda_graphs rewrite their tables as they go, so a step cut
+# short still leaves what it measured. Results go to perf/results/; when $OUT is set, the
+# files this run wrote there are copied into $OUT after every step, beside the log of the
+# run (gpu_sh.log).
+#
+# Works on a bare machine with the image's torch: nothing is installed, PYTHONPATH points at
+# the repository root (subprocesses included). matplotlib is optional: without it the PNG
+# is skipped and the tables are still written. PYTHON picks the interpreter (default: python,
+# else python3).
+set -uo pipefail
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
+if [[ "$PYTHON" == */* ]]; then  # a path: make it absolute before changing directory
+  PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
+fi
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 DEVICE=cuda
 QUICK=()
@@ -21,19 +38,122 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-PYTHON=${PYTHON:-python}
-"$PYTHON" -c "import compiled_logprob" 2>/dev/null || "$PYTHON" -m pip install -q -e . --no-deps
-"$PYTHON" - <<EOF
-import torch
-print("torch", torch.__version__, "| cuda available:", torch.cuda.is_available(),
-      "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
-assert "$DEVICE" == "cpu" or torch.cuda.is_available(), "no CUDA device: pass --device cpu"
-EOF
+# Step limits in seconds on CUDA (a CPU dry run gets 3 times as long): every step is cut to
+# what is left of TOTAL_S, SIGKILL grace included. Overridable from the environment.
+TOTAL_S=${TOTAL_S:-420}
+PREFLIGHT_S=${PREFLIGHT_S:-40}
+BENCH_TP_S=${BENCH_TP_S:-200}  # bench_tp starts no new case after 140 s of them
+CUDA_GRAPHS_S=${CUDA_GRAPHS_S:-90}
+COMPILE_S=${COMPILE_S:-90}
+KILL_GRACE_S=10                # SIGKILL this long after a step ignores SIGTERM
+SCALE=1
+[[ "$DEVICE" == cpu ]] && SCALE=3
 
-# CUDA runs have no memory subprocess cost worth skipping; TP=2 (gloo) is CPU-only.
-timeout 240 "$PYTHON" perf/bench_tp.py --device "$DEVICE" "${QUICK[@]}"
-timeout 60 "$PYTHON" perf/cuda_graphs.py --device "$DEVICE" "${QUICK[@]}"
-if [[ "$DEVICE" == cuda* ]]; then
-  timeout 90 "$PYTHON" perf/compile_check.py --device "$DEVICE" --quick
+START=$SECONDS
+STAMP=$(mktemp)  # results newer than this were written by this run
+if [[ -n "${OUT:-}" ]]; then
+  mkdir -p "$OUT"
+  LOG="$OUT/gpu_sh.log"
+else
+  LOG=$(mktemp "${TMPDIR:-/tmp}/gpu_sh.XXXXXX.log")
 fi
-ls -l perf/results/
+: > "$LOG"
+FAILED=()
+SUMMARY=()
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+save_results() {
+  [[ -n "${OUT:-}" ]] || return 0
+  find perf/results -maxdepth 1 -type f -newer "$STAMP" -exec cp -p {} "$OUT"/ \; 2>/dev/null || true
+}
+
+# run_step NAME LIMIT_S COMMAND... : COMMAND under timeout, output to the terminal and the log.
+# An argument @BUDGET@ becomes the seconds in which the step should finish its work: its
+# limit less a minute for the case in flight and the report (two thirds of a short limit).
+run_step() {
+  local name=$1 limit=$(($2 * SCALE))
+  shift 2
+  local left=$((TOTAL_S * SCALE - (SECONDS - START) - KILL_GRACE_S))
+  ((limit > left)) && limit=$left
+  local budget=$((limit > 90 * SCALE ? limit - 60 * SCALE : limit * 2 / 3))
+  set -- "${@//@BUDGET@/$budget}"
+  if ((limit < 5)); then
+    log "### $name: not run, the ${TOTAL_S}s budget is spent"
+    FAILED+=("$name")
+    SUMMARY+=("$name: NOT RUN (budget spent)")
+    return 1
+  fi
+  local command="$*"
+  command=${command//$'\n'/ }
+  ((${#command} > 200)) && command="${command:0:200}…"
+  log ""
+  log "### $name (timeout ${limit}s, at $((SECONDS - START))s): $command"
+  local t0=$SECONDS rc
+  timeout -k "$KILL_GRACE_S" "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - t0)) status
+  case $rc in
+    0) status="ok" ;;
+    124 | 137) status="TIMED OUT (limit ${limit}s)" ;;
+    *) status="FAILED (exit $rc)" ;;
+  esac
+  ((rc == 0)) || FAILED+=("$name")
+  SUMMARY+=("$name: $status, ${took}s")
+  log "### $name: $status after ${took}s"
+  save_results
+  return "$rc"
+}
+
+finish() {
+  log ""
+  log "### summary ($DEVICE, $((SECONDS - START))s of at most $((TOTAL_S * SCALE))s)"
+  for line in "${SUMMARY[@]}"; do log "  $line"; done
+  log "results written by this run:"
+  find perf/results -maxdepth 1 -type f -newer "$STAMP" -exec ls -l {} + 2>/dev/null | tee -a "$LOG"
+  [[ -n "${OUT:-}" ]] && log "copied to $OUT with the log gpu_sh.log"
+  save_results
+  rm -f "$STAMP"
+  if ((${#FAILED[@]})); then
+    log "FAILED: ${FAILED[*]}"
+    exit 1
+  fi
+  log "all steps passed"
+  exit 0
+}
+
+PREFLIGHT='
+import os, sys
+import torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda available:",
+      torch.cuda.is_available(), "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+import compiled_logprob
+where = os.path.dirname(os.path.dirname(os.path.abspath(compiled_logprob.__file__)))
+print("compiled_logprob", compiled_logprob.__version__, "from", where)
+assert os.path.samefile(where, sys.argv[1]), f"compiled_logprob comes from {where}, not this checkout {sys.argv[1]}"
+try:
+    import matplotlib
+    print("matplotlib", matplotlib.__version__)
+except ImportError:
+    print("matplotlib missing: the PNG plot is skipped, the tables are written")
+assert sys.argv[2] == "cpu" or torch.cuda.is_available(), "no CUDA device: pass --device cpu"
+'
+# Run from perf/ (as the benchmarks are) so that only PYTHONPATH can find the package.
+if ! run_step preflight "$PREFLIGHT_S" bash -c 'cd perf && exec "$0" -c "$1" "$2" "$3"' \
+    "$PYTHON" "$PREFLIGHT" "$ROOT" "$DEVICE"; then
+  log "preflight failed: nothing else can run"
+  finish
+fi
+if [[ "$DEVICE" == cuda* ]] && command -v nvidia-smi > /dev/null; then
+  timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1 \
+    | tee -a "$LOG" || true
+fi
+
+# TP = 2 (gloo) is CPU-only; on CUDA the memory is measured in process, case by case.
+run_step bench_tp "$BENCH_TP_S" "$PYTHON" perf/bench_tp.py --device "$DEVICE" \
+  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
+run_step cuda_graphs "$CUDA_GRAPHS_S" "$PYTHON" perf/cuda_graphs.py --device "$DEVICE" ${QUICK[@]+"${QUICK[@]}"}
+if [[ "$DEVICE" == cuda* ]]; then
+  run_step compile_check "$COMPILE_S" "$PYTHON" perf/compile_check.py --device "$DEVICE" --quick
+fi
+finish

@@ -50,14 +50,16 @@ PERF_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(PERF_DIR, "results")
 
 
-def write_result(name: str, device: str, quick: bool, report: str) -> str:
-    """Print ``report`` and write it to ``results/{name}_{device type}[_quick].md``."""
+def write_result(name: str, device: str, quick: bool, report: str, *, quiet: bool = False) -> str:
+    """Write ``report`` to ``results/{name}_{device type}[_quick].md`` and print it (unless
+    ``quiet``: a partial report rewritten as a run goes)."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, f"{name}_{device.split(':')[0]}{'_quick' if quick else ''}.md")
     with open(path, "w") as f:
         f.write(report)
-    print(report)
-    print(f"wrote {path}")
+    if not quiet:
+        print(report)
+        print(f"wrote {path}")
     return path
 
 
@@ -100,11 +102,13 @@ def make_inputs(case: Case, rank: int, device: str):
     gradient ``[B, S]`` and the shard bounds. Targets agree across ranks; logits need not."""
     start, end = vocab_bounds(case.vocab, case.tp, rank)
     shared = torch.Generator(device="cpu").manual_seed(1234)
-    target = torch.randint(0, case.vocab, (case.batch, case.seq), generator=shared)
-    grad_out = torch.randn(case.batch, case.seq, generator=shared)
-    own = torch.Generator(device="cpu").manual_seed(1235 + rank)
-    logits = (torch.randn(case.batch, case.seq, end - start, generator=own) * 3).to(case.torch_dtype)
-    logits, target, grad_out = (x.to(device) for x in (logits, target, grad_out))
+    target = torch.randint(0, case.vocab, (case.batch, case.seq), generator=shared).to(device)
+    grad_out = torch.randn(case.batch, case.seq, generator=shared).to(device)
+    # The logits are drawn where they live: on a GPU, gigabytes drawn by a few CPU threads
+    # would take longer than the whole measurement.
+    own = torch.Generator(device=device).manual_seed(1235 + rank)
+    logits = torch.randn(case.batch, case.seq, end - start, generator=own, device=device)
+    logits = logits.mul_(3).to(case.torch_dtype)
     for x in (logits, target, grad_out):
         # One compile per (dtype, mode, layout) for every sequence length.
         torch._dynamo.maybe_mark_dynamic(x, 1)
