@@ -399,26 +399,28 @@ def _softmax_terms(
     for logits ``x`` ``[B, S, *]`` of any width: the whole vocabulary, or a few gathered
     entries.
 
-    Everything is in base-2 units ``c = log2 p = (x − shift) · log2 e / T − log_total · log2 e``:
-    the subtraction of the (unscaled) row max is exact where it matters, so ``p`` keeps its
-    precision however large the logits are. The entropy adds a multiply-add of ``c`` with
-    per-row constants.
+    In base-2 units ``c = (x − shift) · log2 e / T ≤ 0`` (``shift``: the unscaled row max, so
+    that the subtraction is exact where it matters), ``p = 2^c / total``, and ``log p =
+    c · ln 2 − log_total``: the normaliser folds into per-row factors, so ``p`` keeps its
+    precision however large the logits are, at no extra pass. The entropy adds a
+    multiply-add of ``c`` with per-row constants.
     """
     inverse_t = 1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
+    # Per-row factor of every term: 1 / (total · T).
+    factor = torch.exp(-log_total).unsqueeze(-1) * inverse_t
     centred = _minus(x, shift.unsqueeze(-1), workspace)
-    log2_probs = _inplace(eager, centred, "mul", _log2_scale(temperature))
-    log2_probs = _inplace(eager, log2_probs, "sub", (log_total * _LOG2_E).unsqueeze(-1))
+    log2_exps = _inplace(eager, centred, "mul", _log2_scale(temperature))
     if grad_entropy is None:
-        probs = _inplace(eager, log2_probs, "exp2")
-        return _inplace(eager, probs, "mul", grad_log_total.unsqueeze(-1) * inverse_t)
+        exps = _inplace(eager, log2_exps, "exp2")
+        return _inplace(eager, exps, "mul", grad_log_total.unsqueeze(-1) * factor)
     # The floor keeps the weight finite, so that entries of p = 0 (-inf logits, vocabulary
     # padding) get 0 · weight = 0, not NaN.
-    log2_probs = _inplace(eager, log2_probs, "clamp", min=_LOG2_FLOOR)
-    probs = log2_probs.exp2() if spare is None else torch.exp2(log2_probs, out=spare)
+    log2_exps = _inplace(eager, log2_exps, "clamp", min=_LOG2_FLOOR)
+    exps = log2_exps.exp2() if spare is None else torch.exp2(log2_exps, out=spare)
     grad_entropy = grad_entropy.unsqueeze(-1)
-    offset = (grad_log_total.unsqueeze(-1) - grad_entropy * entropy.unsqueeze(-1)) * inverse_t
-    weight = _inplace(eager, log2_probs, "mul", grad_entropy * (-_LN_2 * inverse_t))
-    return _inplace(eager, _inplace(eager, weight, "add", offset), "mul", probs)
+    offset = grad_log_total.unsqueeze(-1) - grad_entropy * (entropy - log_total).unsqueeze(-1)
+    weight = _inplace(eager, log2_exps, "mul", grad_entropy * (-_LN_2) * factor)
+    return _inplace(eager, _inplace(eager, weight, "add", offset * factor), "mul", exps)
 
 
 def _zero_rows(grad, all_ignored, eager):
