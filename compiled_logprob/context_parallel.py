@@ -154,17 +154,16 @@ def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None
 
 def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index):
     """Validated ``logits``' local log-prob computation: ``fn(target, *, temperature,
-    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`. Integer options reach it as
-    Python ints (numpy's converted)."""
+    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`."""
     core._validate_logits(logits, chunk_size)
     _check_ids(logits, input_ids, "logits")
     return functools.partial(
         core.token_logprobs,
         logits,
-        vocab_start=core._as_int(vocab_start, "vocab_start", minimum=0),
+        vocab_start=vocab_start,
         group=group,
-        chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size"),
-        ignore_index=None if ignore_index is None else core._as_int(ignore_index, "ignore_index"),
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
     )
 
 

@@ -93,7 +93,7 @@ class ChunkedDistributedLogprob:
             target,
             vocab_start=start,
             group=tp_group,
-            chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size"),
+            chunk_size=chunk_size,
         )
 
 
