@@ -383,15 +383,17 @@ def vocab_parallel_log_softmax(
     *,
     group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """This shard of the log-softmax over the full vocabulary, ``[..., S, V_local]``.
 
-    Eager equivalent: ``torch.log_softmax(full_logits.float(), -1)[..., vocab_start:vocab_end].to(dtype)``.
-    The result is ``dtype`` (default: the logits' dtype). Unlike the token log-probs this
-    materialises a full ``[..., S, V_local]`` tensor, and ``chunk_size`` bounds only the
-    statistics pass: forward and backward each form fp32 temporaries of the output's size.
-    Prefer :func:`token_logprobs` when only the targets' log-probs are needed. Its backward
+    Eager equivalent: ``torch.log_softmax(full_logits.float() / temperature, -1)[..., vocab_start:vocab_end].to(dtype)``.
+    The result is ``dtype`` (default: the logits' dtype); ``temperature`` as in
+    :func:`token_logprobs`. Unlike the token log-probs this materialises a full
+    ``[..., S, V_local]`` tensor, and ``chunk_size`` bounds only the statistics pass: forward
+    and backward each form fp32 temporaries of the output's size. Prefer
+    :func:`token_logprobs` when only the targets' log-probs are needed. Its backward
     all-reduces one fp32 ``[..., S]`` gradient over ``group``: every rank's output depends
     on every shard.
     """
@@ -399,28 +401,32 @@ def vocab_parallel_log_softmax(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     shift, log_total, _, _, _ = _stats(
-        logits.detach(), None, group=group, chunk_size=chunk_size, temperature=1.0
+        logits.detach(), None, group=group, chunk_size=chunk_size, temperature=temperature
     )
-    return _LogSoftmax.apply(logits, shift, log_total, _group_name(group), dtype or logits.dtype)
+    rows = _temperature_rows(temperature, logits.shape[:-1], logits.device)
+    inverse_t = 1.0 if rows is None else 1.0 / rows.view(*logits.shape[:-1], 1)
+    return _LogSoftmax.apply(
+        logits, shift, log_total, inverse_t, _group_name(group), dtype or logits.dtype
+    )
 
 
 class _LogSoftmax(torch.autograd.Function):
-    """``(logits − shift) − log_total`` with the gradient ``G − softmax · sum(G)`` formed in
-    fp32, rounded once.
+    """``(logits − shift) / temperature − log_total`` with the gradient
+    ``(G − softmax · sum(G)) / temperature`` formed in fp32, rounded once.
 
     The output is sharded but depends on every shard through ``log_total``, so ``sum(G)``
     runs over the full vocabulary: one fp32 ``[..., S]`` all-reduce over the group.
     """
 
     @staticmethod
-    def forward(ctx, logits, shift, log_total, group_name, dtype):
+    def forward(ctx, logits, shift, log_total, inverse_t, group_name, dtype):
         ctx.save_for_backward(logits, shift, log_total)
-        ctx.group_name = group_name
-        return _LogSoftmax.fp32(logits, shift, log_total).to(dtype)
+        ctx.inverse_t, ctx.group_name = inverse_t, group_name
+        return _LogSoftmax.fp32(logits, shift, log_total, inverse_t).to(dtype)
 
     @staticmethod
-    def fp32(logits, shift, log_total):
-        return (logits.float() - shift.unsqueeze(-1)) - log_total.unsqueeze(-1)
+    def fp32(logits, shift, log_total, inverse_t):
+        return (logits.float() - shift.unsqueeze(-1)) * inverse_t - log_total.unsqueeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -429,5 +435,6 @@ class _LogSoftmax(torch.autograd.Function):
         grad_sum = grad.sum(-1)
         if ctx.group_name is not None:
             grad_sum = funcol.wait_tensor(funcol.all_reduce(grad_sum, "sum", ctx.group_name))
-        softmax = torch.exp(_LogSoftmax.fp32(logits, shift, log_total))
-        return (grad - grad_sum.unsqueeze(-1) * softmax).to(logits.dtype), None, None, None, None
+        softmax = torch.exp(_LogSoftmax.fp32(logits, shift, log_total, ctx.inverse_t))
+        grad_logits = (grad - grad_sum.unsqueeze(-1) * softmax) * ctx.inverse_t
+        return grad_logits.to(logits.dtype), None, None, None, None, None

@@ -510,3 +510,32 @@ def test_no_ids_ignore_nothing():
     (grad,) = torch.autograd.grad(entropy.sum(), logits)
     (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
+def _log_softmax_temperature_checks() -> None:
+    """This rank's shard of the tempered log-softmax and its gradient against the oracle's,
+    for a float and a per-position tensor temperature (V = 37: uneven shards)."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    rank, world = _rank_and_size(group)
+    start, end = vocab_bounds(37, world, rank)
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 5, 37, generator=gen, dtype=torch.float64) * 3
+    upstream = torch.randn(full.shape, generator=gen, dtype=torch.float64)
+    for temperature in (0.7, torch.linspace(0.5, 2.0, 5).expand(2, 5)):
+        shard = full[..., start:end].float().requires_grad_()
+        out = cl.vocab_parallel_log_softmax(
+            shard, group=group, temperature=temperature, dtype=torch.float32
+        )
+        (grad,) = torch.autograd.grad(out, shard, upstream[..., start:end].float())
+        reference = full.clone().requires_grad_()
+        ref = oracle_log_softmax(reference, temperature)
+        (ref_grad,) = torch.autograd.grad(ref, reference, upstream)
+        # A few fp32 ulps of each value, and of the gradient's largest term.
+        torch.testing.assert_close(out.double(), ref[..., start:end], rtol=8 * FP32_EPS, atol=8 * FP32_EPS)
+        atol = 16 * FP32_EPS * float(upstream.abs().sum(-1).max()) / 0.5
+        torch.testing.assert_close(grad.double(), ref_grad[..., start:end], rtol=0, atol=atol)
+
+
+def test_log_softmax_temperature(gloo_pool):
+    _log_softmax_temperature_checks()
+    gloo_pool(2).run(_log_softmax_temperature_checks)
