@@ -69,8 +69,9 @@ def _logsumexp_chunked(logits, target, start, end, group):
     return cl.vocab_parallel_logsumexp(logits, group=group, chunk_size=CHUNK)
 
 
-def _log_softmax(logits, target, start, end, group):
-    return cl.vocab_parallel_log_softmax(logits, group=group)
+def _log_softmax_temperature(logits, target, start, end, group):
+    # The plain path is _compute_distributed_log_softmax's.
+    return cl.vocab_parallel_log_softmax(logits, group=group, temperature=0.7)
 
 
 def _token_logprobs_temperature_entropy(logits, target, start, end, group):
@@ -123,7 +124,7 @@ ENTRY_POINTS = {
         _token_logprobs_chunked_ignore,
         _logsumexp,
         _logsumexp_chunked,
-        _log_softmax,
+        _log_softmax_temperature,
         _token_logprobs_temperature_entropy,
         _token_logprobs_k_ids,
         _entropy_chunked_row_temperature,
@@ -134,7 +135,7 @@ ENTRY_POINTS = {
     )
 }
 # A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
-SHARDED_OUTPUT = {"log_softmax", "compute_distributed_log_softmax"}
+SHARDED_OUTPUT = {"log_softmax_temperature", "compute_distributed_log_softmax"}
 
 
 def all_entry_points(logits: dict, target, start, end, group) -> dict:
