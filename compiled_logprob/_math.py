@@ -16,7 +16,8 @@ produces them all and the logs and divisions wait until after the exchange:
 owned × K]``, or with a top-k, ``[..., candidate x × k, candidate global id × k]`` in place
 of the target's part. Maxima and logits travel unscaled (``x``, not ``z``): after the
 exchange, ``(x − shift) / temperature`` with ``shift`` the row's max is exact up to one
-rounding, so that log-probs keep their precision however large the logits are. The statistics are the last dimension because Inductor's CPU code
+rounding, so that log-probs keep their precision however large the logits are.
+The statistics are the last dimension because Inductor's CPU code
 generator keeps a per-row epilogue in the reductions' loop only when it walks the rows
 one at a time; ``[F, B, S]`` made it vectorise the epilogue across rows and split the
 kernel into one pass over the logits per reduction.

@@ -167,13 +167,15 @@ def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_i
     )
 
 
+def _check_index_tensor(value: object, name: str) -> None:
+    """``value`` must be an int32/int64 tensor (what index_select and searchsorted take)."""
+    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
+        got = getattr(value, "dtype", type(value).__name__)
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {got}")
+
+
 def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
-    if not isinstance(seq_index, torch.Tensor) or seq_index.dtype not in (
-        torch.int32,
-        torch.int64,
-    ):
-        got = getattr(seq_index, "dtype", type(seq_index).__name__)
-        raise TypeError(f"seq_index must be an int32 or int64 tensor, got {got}")
+    _check_index_tensor(seq_index, "seq_index")
     if seq_index.shape != (full_len,):
         raise ValueError(
             f"seq_index has shape {tuple(seq_index.shape)}, expected ({full_len},): one natural "
@@ -343,12 +345,7 @@ def _check_packed(
             f"{shard.shape[1]} local positions = {size * shard.shape[1]} packed tokens"
         )
     _check_local_len(shard.shape[1], size, f"packed {name} of shape {tuple(shard.shape)}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (
-        torch.int32,
-        torch.int64,
-    ):
-        got = getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__)
-        raise TypeError(f"cu_seqlens_padded must be an int32 or int64 tensor, got {got}")
+    _check_index_tensor(cu_seqlens, "cu_seqlens_padded")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             f"cu_seqlens_padded must be 1-D [B + 1] with B >= 1 (0, end of sequence 0, ...), "
