@@ -112,7 +112,9 @@ def _validate_token_ids(ids: torch.Tensor, name: str) -> None:
 
 def _validate_target(
     logits: torch.Tensor, target: torch.Tensor, vocab_start: int, ignore_index: int | None
-) -> None:
+) -> tuple[int, int | None]:
+    """Checks ``target`` against ``logits`` ``[..., S, *]``; returns ``(vocab_start,
+    ignore_index)`` as Python ints."""
     _validate_token_ids(target, "target")
     positions = logits.shape[:-1]
     if target.shape != positions and not (
@@ -128,7 +130,7 @@ def _validate_target(
             f"target is on {target.device} but logits are on {logits.device}; "
             "move both to the same device"
         )
-    _as_int(vocab_start, "vocab_start", minimum=0)
+    vocab_start = _as_int(vocab_start, "vocab_start", minimum=0)
     if ignore_index is not None:
         ignore_index = _as_int(ignore_index, "ignore_index")
         info = torch.iinfo(target.dtype)
@@ -137,12 +139,32 @@ def _validate_target(
                 f"ignore_index={ignore_index} does not fit the target's dtype {target.dtype} "
                 f"(it would wrap around and ignore another id): pass target.long()"
             )
+    return vocab_start, ignore_index
 
 
 # Top-k ids travel beside the candidates' values as fp32, exact up to 2**24.
 _MAX_TOPK_VOCAB = 1 << 24
 # fp32 temperatures: the smallest normal one (below it 1 / T overflows), and the largest.
 _TEMPERATURE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def _check_float_temperature(temperature: object, accepted: str) -> None:
+    """A number ``temperature`` must be a normal finite fp32 one: the math divides by it in
+    fp32, and its reciprocal must not overflow. ``accepted`` says what the caller takes.
+    (Python compares a huge int with a float exactly: no OverflowError here.)"""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be {accepted}, got {temperature!r:.80}")
+    low, high = _TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise ValueError(
+            f"temperature must be a finite fp32 number >= {low:.3g} (1 / temperature must "
+            f"not overflow), got {temperature!r:.80}"
+        )
+
+
+def _fp32_temperature(temperature: float | torch.Tensor) -> float | torch.Tensor:
+    """A validated temperature as the ops see it: a float, or a tensor in fp32."""
+    return temperature.float() if isinstance(temperature, torch.Tensor) else temperature
 
 
 def _temperature_rows(
@@ -176,13 +198,7 @@ def _temperature_rows(
             f"temperature must be a finite fp32 number >= {low:.3g} everywhere",
         )
     else:
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise TypeError(f"temperature must be a float or a tensor, got {temperature!r}")
-        if not low <= temperature <= high:
-            raise ValueError(
-                f"temperature must be a finite fp32 number >= {low:.3g} (1 / temperature must "
-                f"not overflow), got {temperature}"
-            )
+        _check_float_temperature(temperature, "a float or a tensor")
         if temperature == 1:
             return None
         rows = torch.full((), float(temperature), device=device).expand(rows_shape)
@@ -309,7 +325,7 @@ def vocab_parallel_logsumexp(
     shift, log_total, _, _, _ = _stats(
         logits, None, group=group, chunk_size=chunk_size, temperature=temperature
     )
-    return shift / temperature + log_total
+    return shift / _fp32_temperature(temperature) + log_total
 
 
 def vocab_parallel_entropy(
@@ -403,8 +419,9 @@ def vocab_parallel_log_softmax(
     shift, log_total, _, _, _ = _stats(
         logits.detach(), None, group=group, chunk_size=chunk_size, temperature=temperature
     )
-    rows = _temperature_rows(temperature, logits.shape[:-1], logits.device)
-    inverse_t = 1.0 if rows is None else 1.0 / rows.view(*logits.shape[:-1], 1)
+    temperature = _fp32_temperature(temperature)
+    per_row = isinstance(temperature, torch.Tensor)
+    inverse_t = 1.0 / (temperature.unsqueeze(-1) if per_row else temperature)
     return _LogSoftmax.apply(
         logits, shift, log_total, inverse_t, _group_name(group), dtype or logits.dtype
     )

@@ -81,28 +81,17 @@ def _validate(
     # The hidden states' leading dims are the positions, as the logits' are: with the shape
     # and device checked above, core's target checks add those of vocab_start and
     # ignore_index (an int that fits the target's dtype).
-    core._validate_target(hidden, target, vocab_start, ignore_index)
+    vocab_start, ignore_index = core._validate_target(hidden, target, vocab_start, ignore_index)
     if isinstance(temperature, torch.Tensor):
         raise TypeError(
             f"lm_head entry points take a float temperature, got a tensor of shape "
             f"{tuple(temperature.shape)}; for per-row temperatures, compute the logits and call "
             "token_logprobs on them"
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {temperature!r:.80}")
-    # The logits are divided by it in fp32, so it must be a normal fp32 number (then its
-    # reciprocal is finite too). Python compares ints with floats exactly: no overflow here.
-    fp32 = torch.finfo(torch.float32)
-    if not fp32.tiny <= temperature <= fp32.max:
-        raise ValueError(
-            f"temperature must be positive and finite in fp32 (the math runs in fp32), i.e. in "
-            f"[{fp32.tiny:.4g}, {fp32.max:.4g}], got {temperature!r:.80}"
-        )
-    return (
-        core._as_int(vocab_start, "vocab_start", minimum=0),
-        None if ignore_index is None else core._as_int(ignore_index, "ignore_index"),
-        None if chunk_size is None else core._as_int(chunk_size, "chunk_size", minimum=1),
-    )
+    core._check_float_temperature(temperature, "a float")
+    if chunk_size is not None:
+        chunk_size = core._as_int(chunk_size, "chunk_size", minimum=1)
+    return vocab_start, ignore_index, chunk_size
 
 
 def lm_head_token_logprobs(

@@ -536,6 +536,15 @@ def _log_softmax_temperature_checks() -> None:
         torch.testing.assert_close(grad.double(), ref_grad[..., start:end], rtol=0, atol=atol)
 
 
+def test_fp64_temperature_gives_fp32_results():
+    """A float64 temperature tensor is used in fp32, as the ops see it: outputs stay fp32."""
+    logits = torch.randn(2, 5, 11)
+    temperature = torch.full((2, 1), 0.7, dtype=torch.float64)
+    assert cl.vocab_parallel_logsumexp(logits, temperature=temperature).dtype == torch.float32
+    out = cl.vocab_parallel_log_softmax(logits, temperature=temperature)
+    assert out.dtype == torch.float32
+
+
 def test_log_softmax_temperature(gloo_pool):
     _log_softmax_temperature_checks()
     gloo_pool(2).run(_log_softmax_temperature_checks)
