@@ -5,6 +5,8 @@ The functional API (``token_logprobs``, the context-parallel and DTensor entry p
 drop-in wrappers over it.
 """
 
+# First: an old torch is refused before any op is registered.
+from compiled_logprob import _torch_version  # noqa: F401
 from compiled_logprob.context_parallel import (
     context_parallel_logprobs,
     gather_context_parallel,

@@ -4,10 +4,14 @@ input is not an error."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import compiled_logprob as cl
+from compiled_logprob import _torch_version
 
 LOGITS = torch.randn(2, 5, 7)
 TARGET = torch.randint(0, 7, (2, 5))
@@ -334,3 +338,22 @@ def test_non_contiguous_inputs_are_accepted_and_exact():
         got.sum().backward()
         want.sum().backward()
         torch.testing.assert_close(logits.grad, dense.grad, **ulps)
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("2.13.0", (2, 13)), ("2.13.0a0+git1234", (2, 13)), ("2.14.1+cu128", (2, 14)), ("3.0", (3, 0))],
+)
+def test_torch_release(version, release):
+    """Pre-releases and local builds (NGC's "2.13.0a0+…") count as their release."""
+    assert _torch_version.release(version) == release
+
+
+def test_old_torch_is_refused_at_import():
+    """Older torch fails the suite (a missing collective, a wrong DTensor gradient): refuse it
+    at import with the fix, not later with an AttributeError or wrong numbers."""
+    program = "import torch; torch.__version__ = '2.12.1'; import compiled_logprob"
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "ImportError: compiled_logprob needs torch >= 2.13, found 2.12.1" in result.stderr
+    assert "pip install 'torch>=2.13'" in result.stderr
