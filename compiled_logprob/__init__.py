@@ -28,9 +28,12 @@ from compiled_logprob.lm_head import (
 )
 from compiled_logprob.nemo_compat import (
     AllGatherCPTensor,
+    ChunkedDistributedEntropy,
+    ChunkedDistributedGatherLogprob,
     ChunkedDistributedLogprob,
     DistributedLogprob,
     _compute_distributed_log_softmax,
+    _compute_distributed_log_softmax_with_grad,
     _get_tokens_on_this_cp_rank,
     allgather_cp_sharded_tensor,
     dtensor_from_parallel_logits_to_logprobs,
@@ -43,9 +46,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllGatherCPTensor",
+    "ChunkedDistributedEntropy",
+    "ChunkedDistributedGatherLogprob",
     "ChunkedDistributedLogprob",
     "DistributedLogprob",
     "_compute_distributed_log_softmax",
+    "_compute_distributed_log_softmax_with_grad",
     "_get_tokens_on_this_cp_rank",
     "allgather_cp_sharded_tensor",
     "context_parallel_logprobs",

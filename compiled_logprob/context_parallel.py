@@ -232,6 +232,7 @@ def context_parallel_logprobs(
     ignore_index: int | None = None,
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
+    next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of TP×CP-sharded logits, fp32 ``[..., S - 1]`` in natural order.
 
@@ -251,11 +252,15 @@ def context_parallel_logprobs(
         seq_index: ``[C * L]`` natural position of each position of the CP-ordered sequence
             (``torch.distributed.tensor.experimental.context_parallel``'s layout).
         chunk_size, ignore_index: as in :func:`compiled_logprob.token_logprobs`; position
-            ``t`` is ignored where ``input_ids[..., t + 1] == ignore_index``.
+            ``t`` is ignored where the id it scores, ``input_ids[..., t + 1]``, is ``ignore_index``.
         temperature: a float, or a tensor that broadcasts to the output ``[..., S - 1]``
             (natural order): position ``t``'s logits are divided by ``temperature[..., t]``.
         return_entropy: also return the entropy ``[..., S - 1]`` of each position's
             full-vocabulary distribution (0 where ignored), gathered with the log-probs.
+        next_token: ``False`` scores ``input_ids[..., t]`` at position ``t`` instead of
+            ``input_ids[..., t + 1]`` (masked diffusion LMs; NeMo-RL's
+            ``shift_targets=False``): no position is dropped, and every ``[..., S - 1]``
+            above, the output's shape included, is ``[..., S]``.
 
     One all-gather of ``[..., L]`` fp32 log-probs (``[2, ..., L]`` with the entropy) over CP
     forward, one reduce-scatter backward; a rank's logits receive the sum over CP ranks of
@@ -271,6 +276,7 @@ def context_parallel_logprobs(
         seq_index=seq_index,
         temperature=temperature,
         return_entropy=return_entropy,
+        next_token=next_token,
         name="logits",
     )
 
@@ -284,6 +290,7 @@ def _cp_logprobs(
     seq_index: torch.Tensor | None,
     temperature: float | torch.Tensor,
     return_entropy: bool,
+    next_token: bool,
     name: str,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`context_parallel_logprobs` of this rank's ``shard`` ``[..., L, *]`` (its logits
@@ -313,18 +320,18 @@ def _cp_logprobs(
         padded = F.pad(per_position, (0, padded_len - per_position.shape[-1]), value=fill)
         return padded.index_select(-1, positions[rank])
 
-    # NeMo's shift: position t scores token t + 1. The last position and the padding score
-    # token 0 at temperature 1 (whatever input_ids hold), and are cut off below.
+    # With next_token (NeMo's shift), position t scores token t + 1. Positions past the
+    # scored ones (the last, the padding) score token 0 at temperature 1 (whatever
+    # input_ids hold), and are cut off below.
+    scored = input_ids[..., int(next_token) :]
     result = _local_logprobs(
         local_fn,
-        this_rank(input_ids[..., 1:], 0),
-        temperature=_local_temperature(
-            temperature, input_ids[..., 1:].shape, lambda t: this_rank(t, 1)
-        ),
+        this_rank(scored, 0),
+        temperature=_local_temperature(temperature, scored.shape, lambda t: this_rank(t, 1)),
         return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
-    result = _gather_to_positions(result, positions, group_name, -1)[..., : max(seq_len - 1, 0)]
+    result = _gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]
     return _split(result, return_entropy)
 
 
@@ -335,11 +342,18 @@ def _check_packed(
     max_seqlen: int,
     size: int,
     name: str,
+    pre_rolled: bool,
 ) -> int:
     """Checks the packed layout's arguments; returns ``max_seqlen`` as a Python int."""
     if shard.dim() != 3 or shard.shape[0] != 1:
         raise ValueError(f"packed {name} must be [1, T / C, *], got {tuple(shard.shape)}")
-    if input_ids.shape[-1] != size * shard.shape[1]:
+    if pre_rolled and input_ids.shape[-1] != shard.shape[1]:
+        raise ValueError(
+            f"pre-rolled targets {tuple(input_ids.shape)} must hold this rank's "
+            f"{shard.shape[1]} local positions (the {name}' {tuple(shard.shape)}), shifted "
+            "and CP-sharded like them"
+        )
+    if not pre_rolled and input_ids.shape[-1] != size * shard.shape[1]:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} must hold all T = {size} CP ranks x "
             f"{shard.shape[1]} local positions = {size * shard.shape[1]} packed tokens"
@@ -388,6 +402,7 @@ def packed_context_parallel_logprobs(
     ignore_index: int | None = None,
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
+    next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of a packed (THD) TP×CP-sharded row, as fp32 ``[B, max_seqlen - 1]``.
 
@@ -407,6 +422,9 @@ def packed_context_parallel_logprobs(
             :func:`context_parallel_logprobs`.
         temperature: a float, or a tensor that broadcasts to the output
             ``[B, max_seqlen - 1]`` (e.g. ``[B, 1]``, one per sequence).
+        next_token: ``False`` scores each sequence's token t at its position t (as in
+            :func:`context_parallel_logprobs`): nothing is dropped, and the output and a
+            tensor ``temperature`` are ``[B, max_seqlen]``.
 
     Within each sequence, position t scores token t + 1; the last position's (wrapped)
     target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
@@ -421,6 +439,7 @@ def packed_context_parallel_logprobs(
         cp_group=cp_group,
         temperature=temperature,
         return_entropy=return_entropy,
+        next_token=next_token,
         name="logits",
     )
 
@@ -435,13 +454,22 @@ def _packed_cp_logprobs(
     cp_group: dist.ProcessGroup | None,
     temperature: float | torch.Tensor,
     return_entropy: bool,
+    next_token: bool,
     name: str,
+    pre_rolled: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`packed_context_parallel_logprobs` of this rank's ``shard`` ``[1, T / C, *]``
-    (``name``), whose log-probs ``local_fn`` computes as in :func:`_cp_logprobs`."""
+    (``name``), whose log-probs ``local_fn`` computes as in :func:`_cp_logprobs`.
+
+    ``pre_rolled``: ``input_ids`` are this rank's ``[1, T / C]`` targets, already shifted
+    within each sequence and sharded like ``shard`` (NeMo-RL's ``target_is_pre_rolled``).
+    """
     size, rank = _size_rank(cp_group)
-    max_seqlen = _check_packed(shard, input_ids, cu_seqlens_padded, max_seqlen, size, name)
-    local_len, total = shard.shape[1], input_ids.shape[-1]
+    max_seqlen = _check_packed(
+        shard, input_ids, cu_seqlens_padded, max_seqlen, size, name, pre_rolled
+    )
+    local_len = shard.shape[1]
+    total = size * local_len
     batch = cu_seqlens_padded.numel() - 1
     cu = cu_seqlens_padded.long()
     _assert_packing(cu, total, size)
@@ -452,19 +480,23 @@ def _packed_cp_logprobs(
     ranks = torch.arange(size, device=shard.device).unsqueeze(-1)
     positions = _load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
     mine = positions[rank]
-    # Position t scores token t + 1 of its sequence; a sequence's last position scores token
-    # 0 (dropped below). The clamps keep indices in range even where cu_seqlens_padded is
-    # malformed, so that the device-side check above is what reports it.
-    has_next = mine + 1 < end
-    next_ids = input_ids.index_select(-1, (mine + 1).clamp(0, max(total - 1, 0)))
+    # With next_token, position t scores token t + 1 of its sequence and a sequence's last
+    # position scores token 0 (dropped below). The clamps keep indices in range even where
+    # cu_seqlens_padded is malformed, so that the device-side check above is what reports it.
+    shift = int(next_token)
+    scored = mine + shift < end
+    if pre_rolled:
+        ids = input_ids
+    else:
+        ids = input_ids.index_select(-1, (mine + shift).clamp(0, max(total - 1, 0)))
     # Output column of each local position; columns past the output get temperature 1.
-    out_column = (mine - start).clamp(0, max_seqlen - 1)
+    out_column = (mine - start).clamp(0, max_seqlen - shift)
     result = _local_logprobs(
         local_fn,
-        torch.where(has_next, next_ids, 0),
+        torch.where(scored, ids, 0),
         temperature=_local_temperature(
             temperature,
-            (batch, max_seqlen - 1),
+            (batch, max_seqlen - shift),
             lambda t: F.pad(t, (0, 1), value=1)[seq, out_column].unsqueeze(0),
         ),
         return_entropy=return_entropy,
@@ -473,7 +505,7 @@ def _packed_cp_logprobs(
     packed = _gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
     packed = F.pad(packed, (0, 1))  # a 0 at T for the columns past a sequence (or T = 0)
 
-    column = torch.arange(max_seqlen - 1, device=shard.device)
-    source = (cu[:-1].unsqueeze(-1) + column).clamp(0, total)  # [B, max_seqlen - 1]
-    keep = column < (cu[1:] - cu[:-1] - 1).unsqueeze(-1)
+    column = torch.arange(max_seqlen - shift, device=shard.device)
+    source = (cu[:-1].unsqueeze(-1) + column).clamp(0, total)  # [B, max_seqlen - shift]
+    keep = column < (cu[1:] - cu[:-1] - shift).unsqueeze(-1)
     return _split(torch.where(keep, packed[..., source], 0.0), return_entropy)

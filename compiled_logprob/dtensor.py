@@ -128,7 +128,7 @@ def _local_logprobs(
     chunk_size: int | None,
     **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``options``: ``ignore_index``, ``temperature``, ``return_entropy``."""
+    """``options``: ``ignore_index``, ``temperature``, ``return_entropy``, ``next_token``."""
     plain = isinstance(target, torch.Tensor) and not isinstance(target, DTensor)
     if plain and target.dim() and logits.dim() >= 2 and logits.shape[-2] < target.shape[-1]:
         # A plain target means no CP (as in NeMo-RL): the CP group comes from a DTensor
@@ -162,6 +162,7 @@ def dtensor_logprobs(
     ignore_index: int | None = None,
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
+    next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of DTensor logits, fp32 ``[B, S - 1]`` in natural order.
 
@@ -176,7 +177,7 @@ def dtensor_logprobs(
             (under CP it must be one: its mesh gives the CP group).
         seq_index: ``[S]`` natural position of each CP-ordered position; required under CP.
         chunk_size: as in :func:`compiled_logprob.token_logprobs`.
-        ignore_index, temperature, return_entropy: as in
+        ignore_index, temperature, return_entropy, next_token: as in
             :func:`compiled_logprob.context_parallel_logprobs` (a plain tensor
             ``temperature`` in natural order); with ``return_entropy``, returns
             ``(logprobs, entropy)``.
@@ -197,4 +198,5 @@ def dtensor_logprobs(
         ignore_index=ignore_index,
         temperature=temperature,
         return_entropy=return_entropy,
+        next_token=next_token,
     )

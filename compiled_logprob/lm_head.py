@@ -188,6 +188,7 @@ def lm_head_context_parallel_logprobs(
     ignore_index: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs from TP×CP-sharded hidden states, fp32 ``[..., S - 1]`` in natural order.
 
@@ -202,8 +203,8 @@ def lm_head_context_parallel_logprobs(
         weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
             ``hidden``'s dtype.
         input_ids: ``[..., S]`` the full, unshifted token ids in natural order, ``S <= C * L``.
-        vocab_start, group, cp_group, seq_index, ignore_index, return_entropy: as in
-            :func:`~compiled_logprob.context_parallel_logprobs`.
+        vocab_start, group, cp_group, seq_index, ignore_index, return_entropy, next_token:
+            as in :func:`~compiled_logprob.context_parallel_logprobs`.
         chunk_size: as in :func:`lm_head_token_logprobs`.
         temperature: a float (the logits are divided by it).
 
@@ -223,6 +224,7 @@ def lm_head_context_parallel_logprobs(
         seq_index=seq_index,
         temperature=temperature,
         return_entropy=return_entropy,
+        next_token=next_token,
         name="hidden states",
     )
 
@@ -241,6 +243,7 @@ def lm_head_packed_context_parallel_logprobs(
     ignore_index: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of a packed (THD) row from TP×CP-sharded hidden states, fp32 ``[B, max_seqlen - 1]``.
 
@@ -253,7 +256,8 @@ def lm_head_packed_context_parallel_logprobs(
             load-balanced-sharded on its own), the same on every rank of ``group``.
         weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight.
         input_ids, cu_seqlens_padded, max_seqlen, vocab_start, group, cp_group, ignore_index,
-            return_entropy: as in :func:`~compiled_logprob.packed_context_parallel_logprobs`.
+            return_entropy, next_token: as in
+            :func:`~compiled_logprob.packed_context_parallel_logprobs`.
         chunk_size: as in :func:`lm_head_token_logprobs`.
         temperature: a float.
 
@@ -271,5 +275,6 @@ def lm_head_packed_context_parallel_logprobs(
         cp_group=cp_group,
         temperature=temperature,
         return_entropy=return_entropy,
+        next_token=next_token,
         name="hidden states",
     )

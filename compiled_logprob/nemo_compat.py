@@ -1,7 +1,8 @@
 """Drop-in replacements for the public names of NeMo-RL's ``nemo_rl/distributed/model_utils.py``.
 
-Same signatures and semantics (positional arguments included), as thin wrappers over the
-functional API. What differs, on purpose:
+Same signatures and semantics (positional arguments included) as NeMo-RL's current ones,
+which accept every call of the Aug 2025 ones, as thin wrappers over the functional API. What
+differs, on purpose:
 
 * a target id outside the full vocabulary is an error, not a silent log-prob of 0;
 * ``group=None`` (or a group of size 1) means an unsharded vocabulary and needs no
@@ -13,6 +14,8 @@ functional API. What differs, on purpose:
 * ``AllGatherCPTensor.apply`` and ``allgather_cp_sharded_tensor`` with ``cp_group=None``
   gather over the default (WORLD) group, as NeMo-RL, when torch.distributed is initialised;
   without it (where NeMo-RL raises) they return the tensor as it is;
+* ``sampling_params`` that ask for top-k or top-p filtering raise ``NotImplementedError``
+  (log-probs under a filtered distribution are not implemented);
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 The classes exist only so that ``X.apply(...)`` call sites keep working; they are not
@@ -26,7 +29,14 @@ import torch.distributed as dist
 
 from compiled_logprob import context_parallel, core, dtensor
 
-__all__ = ["ChunkedDistributedLogprob", "DistributedLogprob", "_compute_distributed_log_softmax"]
+__all__ = [
+    "ChunkedDistributedEntropy",
+    "ChunkedDistributedGatherLogprob",
+    "ChunkedDistributedLogprob",
+    "DistributedLogprob",
+    "_compute_distributed_log_softmax",
+    "_compute_distributed_log_softmax_with_grad",
+]
 
 
 def _this_shard(
@@ -108,6 +118,73 @@ def _compute_distributed_log_softmax(
     return core.vocab_parallel_log_softmax(vocab_parallel_logits, group=group)
 
 
+def _compute_distributed_log_softmax_with_grad(
+    vocab_parallel_logits: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Drop-in for NeMo-RL's function of the same name: :func:`_compute_distributed_log_softmax`
+    (differentiable either way here)."""
+    return core.vocab_parallel_log_softmax(vocab_parallel_logits, group=group)
+
+
+class ChunkedDistributedGatherLogprob:
+    """Drop-in for NeMo-RL's ``ChunkedDistributedGatherLogprob``: log-probs at K global ids per
+    position; see :func:`compiled_logprob.token_logprobs` with a ``[B, S, K]`` target."""
+
+    @staticmethod
+    def apply(
+        vocab_parallel_logits: torch.Tensor,
+        global_indices: torch.Tensor,
+        vocab_start_index: int,
+        vocab_end_index: int,
+        chunk_size: int | None,
+        tp_group: dist.ProcessGroup | None,
+        inference_only: bool = False,
+    ) -> torch.Tensor:
+        """fp32 ``[B, S, K]`` log-probs of ``global_indices`` ``[B, S, K]``."""
+        if not isinstance(global_indices, torch.Tensor) or (
+            global_indices.dim() != vocab_parallel_logits.dim()
+        ):
+            got = (
+                tuple(global_indices.shape)
+                if isinstance(global_indices, torch.Tensor)
+                else type(global_indices).__name__
+            )
+            raise ValueError(
+                f"global_indices must be [B, S, K] like the logits "
+                f"{tuple(vocab_parallel_logits.shape)} ([B, S, V_local]), got {got}: for one id "
+                "per position use DistributedLogprob"
+            )
+        return ChunkedDistributedLogprob.apply(
+            vocab_parallel_logits,
+            global_indices,
+            vocab_start_index,
+            vocab_end_index,
+            chunk_size,
+            tp_group,
+            inference_only,
+        )
+
+
+class ChunkedDistributedEntropy:
+    """Drop-in for NeMo-RL's ``ChunkedDistributedEntropy``: ``Σ_v p_v log p_v``, which is
+    minus :func:`compiled_logprob.vocab_parallel_entropy`."""
+
+    @staticmethod
+    def apply(
+        vocab_parallel_logits: torch.Tensor,
+        chunk_size: int | None,
+        tp_group: dist.ProcessGroup | None,
+        inference_only: bool = False,
+    ) -> torch.Tensor:
+        """fp32 ``[B, S]`` ``Σ p log p`` (the negative entropy, as NeMo-RL returns it) of the
+        full-vocabulary softmax, differentiable unless ``inference_only``."""
+        if inference_only:
+            vocab_parallel_logits = vocab_parallel_logits.detach()
+        return -core.vocab_parallel_entropy(
+            vocab_parallel_logits, group=tp_group, chunk_size=chunk_size
+        )
+
+
 # Context parallelism, packed sequences and DTensor entry points.
 
 __all__ += [
@@ -170,6 +247,22 @@ def allgather_cp_sharded_tensor(
     return AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
 
 
+def _check_unfiltered(sampling_params: object | None) -> None:
+    """``sampling_params`` (NeMo-RL's ``TrainingSamplingParams``, or ``None``) must ask for no
+    top-k/top-p filtering: log-probs under a filtered distribution are not implemented. Its
+    ``temperature`` is not read, as NeMo-RL's functions here do not read it either."""
+    if sampling_params is None:
+        return
+    top_k = getattr(sampling_params, "top_k", None)
+    top_p = getattr(sampling_params, "top_p", 1.0)
+    if (top_k is not None and top_k != -1) or (top_p is not None and top_p != 1.0):
+        raise NotImplementedError(
+            f"compiled_logprob: log-probs under top-k/top-p filtering are not implemented "
+            f"(sampling_params.top_k={top_k!r}, top_p={top_p!r}): pass sampling_params=None, or "
+            "top_k=None or -1 and top_p=1.0, for the full-vocabulary log-probs"
+        )
+
+
 def from_parallel_logits_to_logprobs(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -179,10 +272,16 @@ def from_parallel_logits_to_logprobs(
     inference_only: bool = False,
     cp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    sampling_params: object | None = None,
+    *,
+    shift_targets: bool = True,
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of ``[B, S_pad / CP, V_local]`` load-balanced
-    logits and the full unshifted ``target`` ``[B, S]``; see
-    :func:`compiled_logprob.context_parallel_logprobs`."""
+    logits and the full unshifted ``target`` ``[B, S]`` (``[B, S]``, position t scoring
+    ``target[:, t]``, with ``shift_targets=False``); see
+    :func:`compiled_logprob.context_parallel_logprobs`. ``sampling_params`` must ask for no
+    top-k/top-p filtering."""
+    _check_unfiltered(sampling_params)
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
@@ -193,6 +292,7 @@ def from_parallel_logits_to_logprobs(
         group=tp_group,
         cp_group=cp_group,
         chunk_size=chunk_size,
+        next_token=shift_targets,
     )
 
 
@@ -207,22 +307,44 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     inference_only: bool = False,
     cp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    sampling_params: object | None = None,
+    target_is_pre_rolled: bool = False,
 ) -> torch.Tensor:
     """fp32 ``[B, unpacked_seqlen - 1]`` next-token log-probs of a packed ``[1, T / CP, V_local]``
-    row (THD layout) and its unshifted ``target`` ``[1, T]``; see
-    :func:`compiled_logprob.packed_context_parallel_logprobs`."""
+    row (THD layout) and its unshifted ``target`` ``[1, T]``, or with ``target_is_pre_rolled``
+    this rank's ``[1, T / CP]`` targets, already rolled within each sequence and CP-sharded
+    like the logits; see :func:`compiled_logprob.packed_context_parallel_logprobs`.
+    ``sampling_params`` must ask for no top-k/top-p filtering."""
+    _check_unfiltered(sampling_params)
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
-    return context_parallel.packed_context_parallel_logprobs(
+    if not target_is_pre_rolled:
+        return context_parallel.packed_context_parallel_logprobs(
+            vocab_parallel_logits,
+            target,
+            cu_seqlens_padded,
+            max_seqlen=unpacked_seqlen,
+            vocab_start=start,
+            group=group,
+            cp_group=cp_group,
+            chunk_size=chunk_size,
+        )
+    local_fn = context_parallel._logits_logprobs(
+        vocab_parallel_logits, target, start, group, chunk_size, None
+    )
+    return context_parallel._packed_cp_logprobs(
+        local_fn,
         vocab_parallel_logits,
         target,
         cu_seqlens_padded,
         max_seqlen=unpacked_seqlen,
-        vocab_start=start,
-        group=group,
         cp_group=cp_group,
-        chunk_size=chunk_size,
+        temperature=1.0,
+        return_entropy=False,
+        next_token=True,
+        name="logits",
+        pre_rolled=True,
     )
 
 
@@ -235,15 +357,26 @@ def dtensor_from_parallel_logits_to_logprobs(
     inference_only: bool = False,
     seq_index: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    sampling_params: object | None = None,
+    *,
+    shift_targets: bool = True,
 ) -> torch.Tensor:
-    """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits; ``target``
-    is a tensor (no CP), or a DTensor sharded over mesh axis ``"cp"`` in ``seq_index`` order; see
-    :func:`compiled_logprob.dtensor_logprobs`."""
+    """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits (``[B, S]``
+    with ``shift_targets=False``); ``target`` is a tensor (no CP), or a DTensor sharded over mesh
+    axis ``"cp"`` in ``seq_index`` order; see :func:`compiled_logprob.dtensor_logprobs`.
+    ``sampling_params`` must ask for no top-k/top-p filtering."""
+    _check_unfiltered(sampling_params)
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
     return dtensor._local_logprobs(
-        vocab_parallel_logits, target, start, tp_group, seq_index, chunk_size
+        vocab_parallel_logits,
+        target,
+        start,
+        tp_group,
+        seq_index,
+        chunk_size,
+        next_token=shift_targets,
     )
 
 
@@ -252,9 +385,12 @@ def get_logprobs_from_vocab_parallel_logits(
     input_ids: torch.Tensor,
     seq_index: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    sampling_params: object | None = None,
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of DTensor logits sharded on the vocabulary over
-    mesh axis ``"tp"``; see :func:`compiled_logprob.dtensor_logprobs`."""
+    mesh axis ``"tp"``; see :func:`compiled_logprob.dtensor_logprobs`. ``sampling_params``
+    must ask for no top-k/top-p filtering."""
+    _check_unfiltered(sampling_params)
     if not isinstance(vocab_parallel_logits, dtensor.DTensor):
         raise TypeError(
             f"vocab_parallel_logits must be a DTensor, got {type(vocab_parallel_logits).__name__}; "

@@ -116,6 +116,19 @@ def _compute_distributed_log_softmax(logits, target, start, end, group):
     return cl._compute_distributed_log_softmax(logits, group)
 
 
+def _compute_distributed_log_softmax_with_grad(logits, target, start, end, group):
+    return cl._compute_distributed_log_softmax_with_grad(logits, group)
+
+
+def _chunked_distributed_gather_logprob(logits, target, start, end, group):
+    ids = torch.stack([target, (target * 5 + 1) % VOCAB], dim=-1)
+    return cl.ChunkedDistributedGatherLogprob.apply(logits, ids, start, end, CHUNK, group)
+
+
+def _chunked_distributed_entropy(logits, target, start, end, group):
+    return cl.ChunkedDistributedEntropy.apply(logits, CHUNK, group)
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -132,10 +145,17 @@ ENTRY_POINTS = {
         _distributed_logprob,
         _chunked_distributed_logprob,
         _compute_distributed_log_softmax,
+        _compute_distributed_log_softmax_with_grad,
+        _chunked_distributed_gather_logprob,
+        _chunked_distributed_entropy,
     )
 }
 # A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
-SHARDED_OUTPUT = {"log_softmax_temperature", "compute_distributed_log_softmax"}
+SHARDED_OUTPUT = {
+    "log_softmax_temperature",
+    "compute_distributed_log_softmax",
+    "compute_distributed_log_softmax_with_grad",
+}
 
 
 def all_entry_points(logits: dict, target, start, end, group) -> dict:
@@ -167,7 +187,10 @@ def forward_backward(fn, logits: dict, target, start, end, group) -> dict:
 # Compiled and eager sum in different orders, so they agree to a few fp32 ulps of the
 # largest intermediate. That is O(1) for everything but the entropy, whose gradient
 # p·(1 + z − E[z]) inherits E[z]'s rounding, a few ulps of |z| (up to ~3·4.5/0.7 ≈ 20 here).
-ATOL = {"token_logprobs_temperature_entropy": 8 * torch.finfo(torch.float32).eps * 20}
+ATOL = {
+    "token_logprobs_temperature_entropy": 8 * torch.finfo(torch.float32).eps * 20,
+    "chunked_distributed_entropy": 8 * torch.finfo(torch.float32).eps * 20,
+}
 
 
 def assert_results_close(actual: dict, expected: dict, label: str) -> None:

@@ -97,10 +97,13 @@ def _stacked(out) -> torch.Tensor:
     return torch.stack(out) if isinstance(out, tuple) else out
 
 
-def _oracle_next_token(full: torch.Tensor, ids: torch.Tensor, options: dict) -> torch.Tensor:
+def _oracle_next_token(
+    full: torch.Tensor, ids: torch.Tensor, options: dict, next_token: bool = True
+) -> torch.Tensor:
     """The float64 oracle of next-token log-probs (stacked with the entropy where asked) of
-    natural-order ``full`` ``[..., S, V]`` and ``ids`` ``[..., S]``: ``[(2,) ..., S - 1]``."""
-    logits, targets = full[..., :-1, :], ids[..., 1:]
+    natural-order ``full`` ``[..., S, V]`` and ``ids`` ``[..., S]``: ``[(2,) ..., S - 1]``;
+    without ``next_token``, of each position's own id: ``[(2,) ..., S]``."""
+    logits, targets = (full[..., :-1, :], ids[..., 1:]) if next_token else (full, ids)
     temperature = options.get("temperature", 1.0)
     logprobs = oracle_logprobs(logits, targets, options.get("ignore_index"), temperature)
     if not options.get("return_entropy"):
@@ -122,7 +125,7 @@ def _assert_matches(out, expected, grad, expected_grad, upstream_sum, dtype) -> 
     torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
 
 
-def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, **options):
+def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, next_token, **options):
     if api == "context_parallel_logprobs":
         return cp_api.context_parallel_logprobs(
             logits,
@@ -131,27 +134,31 @@ def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, **options)
             group=tp_group,
             cp_group=cp_group,
             chunk_size=chunk,
+            next_token=next_token,
             **options,
         )
     return nemo.from_parallel_logits_to_logprobs(
-        logits, ids, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk
+        logits, ids, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk,
+        shift_targets=next_token,
     )
 
 
-def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0, extras=None):
+def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0, extras=None, next_token=True):
     _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
     dtype = DTYPES[dtype_name]
     local_len = 2 * -(-seq // (2 * cp))  # room for S, load-balanced chunks
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64).to(dtype)
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
-    ids, options = _extras(extras, ids, (BATCH, seq - 1), gen)
+    ids, options = _extras(extras, ids, (BATCH, seq - next_token), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
 
-    out = _stacked(_cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, **options))
+    out = _stacked(
+        _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, next_token, **options)
+    )
     oracle_in = full.double().requires_grad_()
-    expected = _oracle_next_token(oracle_in[:, :seq], ids, options)
+    expected = _oracle_next_token(oracle_in[:, :seq], ids, options, next_token)
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
@@ -171,25 +178,26 @@ def _packed_layout(lengths, cp, seed, cu_dtype):
     return full, ids, cu
 
 
-def _packed_oracle(full, ids, cu, max_seqlen, options=None):
+def _packed_oracle(full, ids, cu, max_seqlen, options=None, next_token=True):
     """``[(2,) B, max_seqlen - 1]``: each sequence's next-token oracle, cut and zero-padded; a
-    tensor temperature is ``[B, max_seqlen - 1]``."""
+    tensor temperature is ``[B, max_seqlen - 1]`` (without ``next_token``, ``max_seqlen``
+    columns of each position's own id)."""
     options = options or {}
+    shift = int(next_token)
     rows = []
     for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        kept = max(0, min(end - start, max_seqlen) - 1)  # positions left after the cut
+        kept = max(0, min(end - start, max_seqlen) - shift)  # positions left after the cut
         row_options = dict(options)
         if isinstance(options.get("temperature"), torch.Tensor):
             row_options["temperature"] = options["temperature"][i, :kept]
-        row = _oracle_next_token(
-            full[start : start + kept + 1], ids[start : start + kept + 1], row_options
-        )
-        rows.append(torch.nn.functional.pad(row, (0, max_seqlen - 1 - kept)))
+        window = slice(start, start + kept + shift)
+        row = _oracle_next_token(full[window], ids[window], row_options, next_token)
+        rows.append(torch.nn.functional.pad(row, (0, max_seqlen - shift - kept)))
     return torch.stack(rows, dim=-2)
 
 
 def _packed_logprobs(
-    api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group, chunk, **options
+    api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group, chunk, next_token, **options
 ):
     if api == "packed_context_parallel_logprobs":
         return cp_api.packed_context_parallel_logprobs(
@@ -201,30 +209,40 @@ def _packed_logprobs(
             group=tp_group,
             cp_group=cp_group,
             chunk_size=chunk,
+            next_token=next_token,
             **options,
         )
     return nemo.from_parallel_logits_to_logprobs_packed_sequences(
-        logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk
+        logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group=cp_group, chunk_size=chunk,
+        target_is_pre_rolled=api == "pre_rolled",
     )
 
 
-def _check_packed(tp, cp, api, lengths, max_seqlen, chunk, cu_dtype, seed=0, extras=None):
+def _check_packed(
+    tp, cp, api, lengths, max_seqlen, chunk, cu_dtype, seed=0, extras=None, next_token=True
+):
+    """``api="pre_rolled"``: the drop-in given this rank's targets, rolled within each
+    sequence and CP-sharded like the logits (NeMo-RL's ``target_is_pre_rolled``)."""
     _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
     full, ids, cu = _packed_layout(lengths, cp, seed, cu_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
-    ids, options = _extras(extras, ids, (len(lengths), max_seqlen - 1), gen)
+    ids, options = _extras(extras, ids, (len(lengths), max_seqlen - next_token), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
     local = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])
     logits = local[None, :, lo:hi].float().requires_grad_()
+    given = ids
+    if api == "pre_rolled":
+        given = torch.cat([_ref_shard(ids[s:e].roll(-1), cp_rank, cp, 0) for s, e in bounds])
 
     out = _stacked(
         _packed_logprobs(
-            api, logits, ids[None], cu, max_seqlen, lo, hi, tp_group, cp_group, chunk, **options
+            api, logits, given[None], cu, max_seqlen, lo, hi, tp_group, cp_group, chunk,
+            next_token, **options,
         )
     )
     oracle_in = full.float().double().requires_grad_()
-    expected = _packed_oracle(oracle_in, ids, cu, max_seqlen, options)
+    expected = _packed_oracle(oracle_in, ids, cu, max_seqlen, options, next_token)
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
@@ -247,18 +265,45 @@ def _check_options(tp, cp):
         _check_dtensor(tp, cp, "dtensor_logprobs", 12 if cp < 4 else 16, chunk, 2, extras)
 
 
+def _check_unshifted_and_pre_rolled(tp, cp):
+    """``next_token=False`` (NeMo-RL's ``shift_targets=False``) through every CP entry point,
+    and the packed drop-in's pre-rolled targets (``target_is_pre_rolled``)."""
+    seq = 13 if cp < 4 else 11
+    for (api, extras), chunk in itertools.product(
+        (
+            ("context_parallel_logprobs", None),
+            ("context_parallel_logprobs", "position"),
+            ("from_parallel_logits_to_logprobs", None),
+        ),
+        (None, 3),
+    ):
+        _check_cp(tp, cp, api, seq, chunk, "fp32", seed=3, extras=extras, next_token=False)
+    lengths = (5, 0, 9, 1, 3)
+    for max_seqlen, extras in ((7, None), (20, "position")):
+        _check_packed(
+            tp, cp, "packed_context_parallel_logprobs", lengths, max_seqlen, 3, torch.int64,
+            seed=3, extras=extras, next_token=False,
+        )
+        _check_packed(tp, cp, "pre_rolled", lengths, max_seqlen, None, torch.int32, seed=3)
+    for api, extras in (
+        ("dtensor_logprobs", "position"),
+        ("dtensor_from_parallel_logits_to_logprobs", None),
+    ):
+        _check_dtensor(tp, cp, api, 12 if cp < 4 else 16, None, 3, extras, next_token=False)
+
+
 def _dtensor_vocab_bounds(tp_rank: int, tp: int) -> tuple[int, int]:
     """DTensor's Shard semantics (torch.chunk), unlike vocab_bounds: 97 over 4 is 25,25,25,22."""
     sizes = [len(c) for c in torch.arange(VOCAB).chunk(tp)]
     return sum(sizes[:tp_rank]), sum(sizes[: tp_rank + 1])
 
 
-def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None):
+def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None, next_token=True):
     mesh, tp_group, _, tp_rank, cp_rank = _layout(tp, cp)
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(BATCH, seq, VOCAB, generator=gen, dtype=torch.float64).float()
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
-    ids, options = _extras(extras, ids, (BATCH, seq - 1), gen)
+    ids, options = _extras(extras, ids, (BATCH, seq - next_token), gen)
     # Any permutation will do: seq_index[k] is the natural position of CP-ordered position k.
     seq_index = torch.randperm(seq, generator=gen) if cp > 1 else torch.arange(seq)
     ordered, ordered_ids = full[:, seq_index], ids[:, seq_index]
@@ -271,7 +316,8 @@ def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None):
         logits = ordered[:, rows, lo:hi].clone().requires_grad_()
         target = distribute_tensor(ordered_ids, mesh["cp"], [Shard(1)])
         out = nemo.dtensor_from_parallel_logits_to_logprobs(
-            logits, target, lo, hi, tp_group, seq_index=given_index, chunk_size=chunk
+            logits, target, lo, hi, tp_group, seq_index=given_index, chunk_size=chunk,
+            shift_targets=next_token,
         )
         grad = lambda: logits.grad
     else:
@@ -281,16 +327,18 @@ def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None):
         if api == "dtensor_logprobs":
             out = _stacked(
                 dt_api.dtensor_logprobs(
-                    logits, target, seq_index=given_index, chunk_size=chunk, **options
+                    logits, target, seq_index=given_index, chunk_size=chunk,
+                    next_token=next_token, **options,
                 )
             )
         else:
+            assert next_token, "get_logprobs_from_vocab_parallel_logits always shifts"
             out = nemo.get_logprobs_from_vocab_parallel_logits(logits, target, given_index, chunk)
         assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
         grad = lambda: logits.grad.to_local()
 
     oracle_in = full.double().requires_grad_()
-    expected = _oracle_next_token(oracle_in, ids, options)
+    expected = _oracle_next_token(oracle_in, ids, options, next_token)
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
@@ -464,6 +512,11 @@ def test_matches_oracle(gloo_pool, tp, cp):
 def test_options(gloo_pool, tp, cp):
     """ignore_index, a float or per-position temperature and the entropy, forward and backward."""
     gloo_pool(tp * cp).run(_check_options, tp, cp)
+
+
+@pytest.mark.parametrize("tp,cp", GRIDS, ids=[f"tp{tp}xcp{cp}" for tp, cp in GRIDS])
+def test_unshifted_and_pre_rolled(gloo_pool, tp, cp):
+    gloo_pool(tp * cp).run(_check_unshifted_and_pre_rolled, tp, cp)
 
 
 def _check_uneven_vocab(tp):
@@ -742,9 +795,22 @@ def _compile_checks(tp, cp):
     return counts
 
 
+def _pre_rolled_case(tp, cp, lengths=(3, 5)):
+    """``(logits [1, T / C, V_local], this rank's pre-rolled targets [1, T / C], cu)`` of a
+    packed row, for the drop-in's ``target_is_pre_rolled``."""
+    _, _, _, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    full, ids, cu = _packed_layout(lengths, cp, 0, torch.int32)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    logits = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])
+    rolled = torch.cat([_ref_shard(ids[s:e].roll(-1), cp_rank, cp, 0) for s, e in bounds])
+    return logits[None, :, lo:hi].float(), rolled[None], cu
+
+
 def _compile_other_entry_points(tp, cp):
-    """The DTensor entry points (Inductor) and the CP shard/gather (aot_eager, for speed) trace
-    whole, forward and backward, and match eager; returns the DTensor entry's compile count."""
+    """The DTensor entry points (Inductor), and the CP shard/gather, unshifted targets and
+    pre-rolled packed targets (aot_eager, for speed) trace whole, forward and backward, and
+    match eager; returns the DTensor entry's compile count."""
     mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     torch._dynamo.reset()
@@ -770,12 +836,26 @@ def _compile_other_entry_points(tp, cp):
             cp_api.shard_for_context_parallel(whole, group=cp_group), cp_group, 1
         )
 
+    def unshifted(local):
+        return nemo.dtensor_from_parallel_logits_to_logprobs(
+            local, target, lo, hi, tp_group, seq_index=seq_index, shift_targets=False
+        )
+
+    packed_logits, rolled, cu = _pre_rolled_case(tp, cp)
+
+    def pre_rolled(logits):
+        return nemo.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, rolled, cu, 6, lo, hi, tp_group, cp_group=cp_group, target_is_pre_rolled=True
+        )
+
     local = full[:, seq_index].chunk(cp, 1)[cp_rank][..., lo:hi]
     counter = CompileCounterWithBackend("inductor")
     for fn, backend, leaf in (
         (from_dtensor, counter, local),
         (from_local, "inductor", local),
         (gather, "aot_eager", full),
+        (unshifted, "aot_eager", local),
+        (pre_rolled, "aot_eager", packed_logits),
     ):
         results = []
         for run in (fn, torch.compile(fn, backend=backend, fullgraph=True)):
@@ -803,8 +883,18 @@ def _host_sync_checks(tp, cp):
     dt_ids = distribute_tensor(ids, mesh, [Shard(1), Replicate()])
     extras = dict(ignore_index=IGNORE, return_entropy=True)
     ignored_ids = torch.where(ids % 5 == 0, IGNORE, ids)
+    pre_rolled_logits, rolled, rolled_cu = _pre_rolled_case(tp, cp)
+    pre_rolled_logits.requires_grad_()
     with no_host_syncs():
         outs = [
+            nemo.from_parallel_logits_to_logprobs_packed_sequences(
+                pre_rolled_logits, rolled, rolled_cu, 5, lo, hi, tp_group, cp_group=cp_group,
+                target_is_pre_rolled=True,
+            ),
+            *cp_api.packed_context_parallel_logprobs(
+                packed_logits, packed_ids[None], cu, max_seqlen=5, vocab_start=lo,
+                group=tp_group, cp_group=cp_group, next_token=False, **extras,
+            ),
             nemo.from_parallel_logits_to_logprobs(
                 logits, ids[:, 1:], lo, hi, tp_group, cp_group=cp_group, chunk_size=4
             ),
@@ -838,6 +928,7 @@ def _host_sync_checks(tp, cp):
                 distribute_tensor(ignored_ids, mesh, [Shard(1), Replicate()]),
                 seq_index=seq_index,
                 temperature=0.7,
+                next_token=False,
                 **extras,
             ),
         ]

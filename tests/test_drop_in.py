@@ -4,6 +4,8 @@ same way, positional arguments included. Numerics against the float64 oracle are
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +14,8 @@ import compiled_logprob as cl
 from compiled_logprob.testing.reference import (
     SeedChunkedDistributedLogprob,
     SeedDistributedLogprob,
+    oracle_entropy,
+    oracle_logprobs,
     vocab_bounds,
 )
 
@@ -80,3 +84,87 @@ def test_log_softmax_drop_in_is_differentiable():
     (ref_grad,) = torch.autograd.grad(ref, logits, upstream)
     torch.testing.assert_close(ours, ref)
     torch.testing.assert_close(ours_grad, ref_grad)
+
+
+def _gather_logprob_and_entropy_against_oracle(chunk_size: int) -> None:
+    """NeMo-RL's newer K-ids and entropy classes, called positionally: values and gradients
+    of the float64 oracle (the entropy is NeMo-RL's ``Σ p log p``, minus the entropy)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = vocab_bounds(VOCAB, world, rank)
+    gen = torch.Generator().manual_seed(12)
+    full = 3 * torch.randn(2, 9, VOCAB, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (2, 9, 4), generator=gen)
+    group = dist.group.WORLD
+    calls = {
+        "ChunkedDistributedGatherLogprob": (
+            lambda x: cl.ChunkedDistributedGatherLogprob.apply(
+                x, ids, start, end, chunk_size, group, False
+            ),
+            lambda full: oracle_logprobs(full, ids),
+        ),
+        "ChunkedDistributedEntropy": (
+            lambda x: cl.ChunkedDistributedEntropy.apply(x, chunk_size, group, False),
+            lambda full: -oracle_entropy(full),
+        ),
+    }
+    for name, (ours_fn, oracle_fn) in calls.items():
+        shard = full[..., start:end].float().requires_grad_()
+        oracle_in = full.float().double().requires_grad_()
+        ours, expected = ours_fn(shard), oracle_fn(oracle_in)
+        upstream = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+        ours.backward(upstream.float())
+        expected.backward(upstream)
+        assert ours.dtype == torch.float32 and ours.shape == expected.shape, name
+        # fp32 math on logits of scale 3: a few ulps of the row's logsumexp (~12).
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(
+            shard.grad.double(), oracle_in.grad[..., start:end], rtol=1e-5, atol=1e-5, msg=name
+        )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_logprob_and_entropy_match_oracle(gloo_pool, world):
+    gloo_pool(world).run(_gather_logprob_and_entropy_against_oracle, 4)
+
+
+def test_gather_logprob_and_entropy_inference_only_give_no_graph():
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    ids = torch.randint(0, 7, (2, 5, 3))
+    outs = (
+        cl.ChunkedDistributedGatherLogprob.apply(logits, ids, 0, 7, 2, None, True),
+        cl.ChunkedDistributedEntropy.apply(logits, 2, None, True),
+    )
+    assert not any(out.requires_grad for out in outs)
+
+
+@dataclasses.dataclass
+class _SamplingParams:
+    """NeMo-RL's ``TrainingSamplingParams``."""
+
+    top_k: int | None = None
+    top_p: float = 1.0
+    temperature: float = 1.0
+
+
+@pytest.mark.parametrize(
+    "params", [None, _SamplingParams(), _SamplingParams(top_k=-1, temperature=0.5)], ids=str
+)
+def test_unfiltered_sampling_params_change_nothing(params):
+    """Passed positionally where NeMo-RL takes them; the temperature is the caller's to apply,
+    as in NeMo-RL's functions."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, 7, generator=gen)
+    ids = torch.randint(0, 7, (2, 6), generator=gen)
+    cu = torch.tensor([0, 2, 6])
+    plain = cl.from_parallel_logits_to_logprobs(logits, ids, 0, 7, None, False, None, 2, params)
+    packed = cl.from_parallel_logits_to_logprobs_packed_sequences(
+        logits[:1], ids[:1], cu, 4, 0, 7, None, False, None, None, params
+    )
+    local = cl.dtensor_from_parallel_logits_to_logprobs(
+        logits, ids, 0, 7, None, False, None, None, params
+    )
+    torch.testing.assert_close(plain, cl.context_parallel_logprobs(logits, ids))
+    torch.testing.assert_close(local, plain)
+    torch.testing.assert_close(
+        packed, cl.packed_context_parallel_logprobs(logits[:1], ids[:1], cu, max_seqlen=4)
+    )

@@ -4,6 +4,7 @@ input is not an error."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -15,6 +16,15 @@ from compiled_logprob import _torch_version
 
 LOGITS = torch.randn(2, 5, 7)
 TARGET = torch.randint(0, 7, (2, 5))
+
+
+@dataclasses.dataclass
+class _SamplingParams:
+    """NeMo-RL's ``TrainingSamplingParams``, as its drop-ins read it."""
+
+    top_k: int | None = None
+    top_p: float = 1.0
+    temperature: float = 1.0
 
 
 def _token_logprobs(logits=LOGITS, target=TARGET, **options):
@@ -158,6 +168,53 @@ CASES = {
         lambda: cl.ChunkedDistributedLogprob.apply(LOGITS, TARGET, 0, 7, 0, None),
         ValueError,
         ["chunk_size", "0"],
+    ),
+    "gather_logprob_one_id_per_position": (
+        lambda: cl.ChunkedDistributedGatherLogprob.apply(LOGITS, TARGET, 0, 7, 2, None),
+        ValueError,
+        ["global_indices", "[B, S, K]", "(2, 5, 7)", "(2, 5)", "DistributedLogprob"],
+    ),
+    "gather_logprob_bounds": (
+        lambda: cl.ChunkedDistributedGatherLogprob.apply(LOGITS, TARGET[..., None], 0, 6, 2, None),
+        ValueError,
+        ["6 - 0 = 6", "hold 7", "own shard bounds"],
+    ),
+    "top_k_filtering": (
+        lambda: cl.from_parallel_logits_to_logprobs(
+            LOGITS, TARGET, 0, 7, None, False, None, None, _SamplingParams(top_k=5)
+        ),
+        NotImplementedError,
+        ["top-k/top-p", "top_k=5", "top_p=1.0", "sampling_params=None"],
+    ),
+    "top_p_filtering": (
+        lambda: cl.dtensor_from_parallel_logits_to_logprobs(
+            LOGITS, TARGET, 0, 7, None, sampling_params=_SamplingParams(top_p=0.9)
+        ),
+        NotImplementedError,
+        ["top_k=None", "top_p=0.9"],
+    ),
+    "top_k_filtering_packed": (
+        lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
+            LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), 5, 0, 7, None,
+            sampling_params=_SamplingParams(top_k=1, top_p=0.5),
+        ),
+        NotImplementedError,
+        ["top_k=1", "top_p=0.5"],
+    ),
+    "top_p_filtering_get_logprobs": (
+        lambda: cl.get_logprobs_from_vocab_parallel_logits(
+            LOGITS, TARGET, sampling_params=_SamplingParams(top_p=0.0)
+        ),
+        NotImplementedError,
+        ["top_p=0.0"],
+    ),
+    "pre_rolled_targets_not_local": (
+        lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
+            LOGITS[:1], TARGET[:1, :4], torch.tensor([0, 5]), 5, 0, 7, None,
+            target_is_pre_rolled=True,
+        ),
+        ValueError,
+        ["pre-rolled targets (1, 4)", "5 local positions", "(1, 5, 7)"],
     ),
     "get_tokens_cp_rank_float": (
         lambda: cl._get_tokens_on_this_cp_rank(TARGET, 1.0, 2, 1),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import compiled_logprob as cl
 from compiled_logprob import _lm_head_ops
 from compiled_logprob.lm_head import (
     lm_head_context_parallel_logprobs,
@@ -398,6 +399,38 @@ def test_context_parallel_numpy_int_options_match_python_ints():
     want = lm_head_context_parallel_logprobs(*args, **options)
     got = lm_head_context_parallel_logprobs(*args, **_numpy_ints(options))
     torch.testing.assert_close(got, want)
+
+def test_unshifted_targets_match_the_logits_path():
+    """``next_token=False`` (each position scores its own id) through both CP entry points:
+    values and gradients as the logits path's, which the CP tests check against the oracle."""
+    hidden, weight = HIDDEN.double(), WEIGHT.double()
+    cu = torch.tensor([0, 1, 3])  # packed: sequences of 1 and 2 positions (B = 1 row of 3)
+    calls = {
+        "plain": (
+            lambda h, w: lm_head_context_parallel_logprobs(h, w, TARGET, next_token=False),
+            lambda x: cl.context_parallel_logprobs(x, TARGET, next_token=False),
+        ),
+        "packed": (
+            lambda h, w: lm_head_packed_context_parallel_logprobs(
+                h[:1], w, TARGET[:1], cu, max_seqlen=3, next_token=False
+            ),
+            lambda x: cl.packed_context_parallel_logprobs(
+                x[:1], TARGET[:1], cu, max_seqlen=3, next_token=False
+            ),
+        ),
+    }
+    for name, (from_hidden, from_logits) in calls.items():
+        leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        got = from_hidden(*leaves)
+        got_grads = torch.autograd.grad(got.sum(), leaves)
+        leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        want = from_logits(leaves[0] @ leaves[1].T)
+        want_grads = torch.autograd.grad(want.sum(), leaves)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        torch.testing.assert_close(got, want, msg=name)
+        for got_grad, want_grad in zip(got_grads, want_grads):
+            torch.testing.assert_close(got_grad, want_grad, msg=name)
+
 
 # --- context parallelism: hidden states sharded like the logits of the CP entry points ---
 
