@@ -40,6 +40,7 @@ from compiled_logprob.nemo_compat import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
     get_logprobs_from_vocab_parallel_logits,
+    get_next_token_logprobs_from_logits,
 )
 
 __version__ = "0.1.0"
@@ -61,6 +62,7 @@ __all__ = [
     "from_parallel_logits_to_logprobs_packed_sequences",
     "gather_context_parallel",
     "get_logprobs_from_vocab_parallel_logits",
+    "get_next_token_logprobs_from_logits",
     "lm_head_context_parallel_logprobs",
     "lm_head_packed_context_parallel_logprobs",
     "lm_head_token_logprobs",

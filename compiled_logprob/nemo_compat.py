@@ -195,6 +195,7 @@ __all__ += [
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
     "get_logprobs_from_vocab_parallel_logits",
+    "get_next_token_logprobs_from_logits",
 ]
 
 
@@ -403,4 +404,50 @@ def get_logprobs_from_vocab_parallel_logits(
         )
     return dtensor.dtensor_logprobs(
         vocab_parallel_logits, input_ids, seq_index=seq_index, chunk_size=chunk_size
+    )
+
+
+def get_next_token_logprobs_from_logits(
+    input_ids: torch.Tensor,
+    next_token_logits: torch.Tensor,
+    seq_index: torch.Tensor | None = None,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: dist.ProcessGroup | None = None,
+    context_parallel_group: dist.ProcessGroup | None = None,
+    sampling_params: object | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 ``[B, S - 1]`` next-token log-probs of ``input_ids`` ``[B, S]``, dispatched as NeMo-RL
+    does: with ``vocab_parallel_group``, plain logits holding this rank's even vocabulary shard
+    ``[vocab_parallel_rank * V_local, (vocab_parallel_rank + 1) * V_local)`` (CP over
+    ``context_parallel_group``) go to :func:`from_parallel_logits_to_logprobs`; DTensor logits
+    to :func:`get_logprobs_from_vocab_parallel_logits`; unsharded ``[B, S, V]`` logits to
+    :func:`compiled_logprob.context_parallel_logprobs`. ``chunk_size`` bounds the eager
+    temporaries on every path (NeMo-RL uses it on the first only; the values are the same).
+    ``sampling_params`` must ask for no top-k/top-p filtering."""
+    _check_unfiltered(sampling_params)
+    if vocab_parallel_group is not None:
+        if vocab_parallel_rank is None:
+            raise ValueError(
+                "vocab_parallel_rank must be given with vocab_parallel_group: this rank's "
+                "index in the vocab-parallel group, which holds vocabulary shard "
+                "[rank * V_local, (rank + 1) * V_local)"
+            )
+        rank = core._as_int(vocab_parallel_rank, "vocab_parallel_rank", minimum=0)
+        width = next_token_logits.shape[-1]
+        return from_parallel_logits_to_logprobs(
+            next_token_logits,
+            input_ids,
+            rank * width,
+            (rank + 1) * width,
+            vocab_parallel_group,
+            cp_group=context_parallel_group,
+            chunk_size=chunk_size,
+        )
+    if isinstance(next_token_logits, dtensor.DTensor):
+        return get_logprobs_from_vocab_parallel_logits(
+            next_token_logits, input_ids, seq_index, chunk_size
+        )
+    return context_parallel.context_parallel_logprobs(
+        next_token_logits, input_ids, chunk_size=chunk_size
     )

@@ -331,8 +331,11 @@ def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None, next_token=True
                     next_token=next_token, **options,
                 )
             )
+        elif api == "get_next_token_logprobs_from_logits":
+            assert next_token, f"{api} always shifts"
+            out = nemo.get_next_token_logprobs_from_logits(target, logits, given_index, chunk_size=chunk)
         else:
-            assert next_token, "get_logprobs_from_vocab_parallel_logits always shifts"
+            assert next_token, f"{api} always shifts"
             out = nemo.get_logprobs_from_vocab_parallel_logits(logits, target, given_index, chunk)
         assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
         grad = lambda: logits.grad.to_local()
@@ -491,6 +494,7 @@ def _check_grid(tp, cp):
         (
             "dtensor_from_parallel_logits_to_logprobs",
             "get_logprobs_from_vocab_parallel_logits",
+            "get_next_token_logprobs_from_logits",
             "dtensor_logprobs",
         ),
         (None, 3),
@@ -843,6 +847,10 @@ def _compile_other_entry_points(tp, cp):
 
     packed_logits, rolled, cu = _pre_rolled_case(tp, cp)
 
+    def next_token(local):
+        # NeMo-RL's dispatcher assumes even vocabulary shards: here there is one (tp = 1).
+        return nemo.get_next_token_logprobs_from_logits(ids, local, None, tp_rank, tp_group, cp_group)
+
     def pre_rolled(logits):
         return nemo.from_parallel_logits_to_logprobs_packed_sequences(
             logits, rolled, cu, 6, lo, hi, tp_group, cp_group=cp_group, target_is_pre_rolled=True
@@ -856,6 +864,7 @@ def _compile_other_entry_points(tp, cp):
         (gather, "aot_eager", full),
         (unshifted, "aot_eager", local),
         (pre_rolled, "aot_eager", packed_logits),
+        (next_token, "aot_eager", _ref_shard(full, cp_rank, cp, 1)[..., lo:hi]),
     ):
         results = []
         for run in (fn, torch.compile(fn, backend=backend, fullgraph=True)):

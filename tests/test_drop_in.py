@@ -168,3 +168,40 @@ def test_unfiltered_sampling_params_change_nothing(params):
     torch.testing.assert_close(
         packed, cl.packed_context_parallel_logprobs(logits[:1], ids[:1], cu, max_seqlen=4)
     )
+
+
+def _next_token_logprobs_against_oracle() -> None:
+    """NeMo-RL's dispatching helper on plain vocab-parallel logits (even shards, as it
+    assumes), called positionally: the oracle's next-token log-probs and gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab = VOCAB - VOCAB % world
+    width = vocab // world
+    gen = torch.Generator().manual_seed(13)
+    full = torch.randn(2, 9, vocab, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (2, 9), generator=gen)
+    shard = full[..., rank * width : (rank + 1) * width].float().requires_grad_()
+    ours = cl.get_next_token_logprobs_from_logits(ids, shard, None, rank, dist.group.WORLD, None, None, 4)
+    oracle_in = full.float().double().requires_grad_()
+    expected = oracle_logprobs(oracle_in[:, :-1], ids[:, 1:])
+    upstream = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    ours.backward(upstream.float())
+    expected.backward(upstream)
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        shard.grad.double(), oracle_in.grad[..., rank * width : (rank + 1) * width],
+        rtol=1e-5, atol=1e-6,
+    )
+
+
+def test_next_token_logprobs_vocab_parallel_matches_oracle(gloo_pool):
+    gloo_pool(2).run(_next_token_logprobs_against_oracle)
+
+
+def test_next_token_logprobs_unsharded():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 6, 7, generator=gen)
+    ids = torch.randint(0, 7, (2, 6), generator=gen)
+    torch.testing.assert_close(
+        cl.get_next_token_logprobs_from_logits(ids, logits),
+        torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0],
+    )

@@ -208,6 +208,11 @@ CASES = {
         NotImplementedError,
         ["top_p=0.0"],
     ),
+    "next_token_logprobs_without_rank": (
+        lambda: cl.get_next_token_logprobs_from_logits(TARGET, LOGITS, vocab_parallel_group=object()),
+        ValueError,
+        ["vocab_parallel_rank must be given", "[rank * V_local, (rank + 1) * V_local)"],
+    ),
     "pre_rolled_targets_not_local": (
         lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
             LOGITS[:1], TARGET[:1, :4], torch.tensor([0, 5]), 5, 0, 7, None,
