@@ -29,7 +29,8 @@ import functools
 import math
 
 import torch
-import torch.distributed._functional_collectives as funcol
+
+from compiled_logprob._torch_version import all_gather_single
 
 OWNERSHIP_ERROR = (
     "compiled_logprob: a target id is not owned by exactly one vocabulary shard: it is "
@@ -248,7 +249,7 @@ def exchange_stats(
     if group_name is None:
         gathered = stats.unsqueeze(0)
     else:
-        gathered = funcol.all_gather_single(stats, 0, group_name)
+        gathered = all_gather_single(stats, 0, group_name)
         gathered = gathered.unflatten(0, (-1, stats.shape[0]))  # [R, B, S, F]
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
     shift = _finite_or_zero(row_max.amax(0))

@@ -1,12 +1,13 @@
-"""Refuses a torch older than the oldest one the test suite passes on, at import, rather than
-with a missing collective or a silently wrong DTensor gradient later (README, "Supported
-torch")."""
+"""The torch releases this package supports (README, "Supported torch"): an older torch is
+refused at import, rather than failing with a missing collective or a silently wrong
+DTensor gradient later; the names that differ between supported releases are resolved here."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
-MINIMUM = (2, 13)
+MINIMUM = (2, 12)
 
 
 def release(version: str) -> tuple[int, int]:
@@ -20,3 +21,8 @@ if release(torch.__version__) < MINIMUM:
         f"compiled_logprob needs torch >= {MINIMUM[0]}.{MINIMUM[1]}, found {torch.__version__}: "
         f"pip install 'torch>={MINIMUM[0]}.{MINIMUM[1]}'"
     )
+
+
+# The functional all-gather (differentiable in both) is `all_gather_single` from torch 2.13,
+# where the 2.12 name `all_gather_tensor` became a deprecated alias.
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor

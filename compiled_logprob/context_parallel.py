@@ -26,10 +26,10 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from compiled_logprob import core
+from compiled_logprob._torch_version import all_gather_single
 
 __all__ = [
     "context_parallel_logprobs",
@@ -87,7 +87,7 @@ def _gather_to_positions(
     if group_name is not None:
         # Built-in backward: one reduce-scatter (sum) of the gradient, which index_select's
         # backward has put back in gathered order.
-        gathered = funcol.all_gather_single(gathered.contiguous(), 0, group_name)
+        gathered = all_gather_single(gathered.contiguous(), 0, group_name)
     # ``positions`` is a permutation: read through its inverse. (Writing through it with
     # index_copy into a zero-filled buffer let Inductor, torch 2.13, schedule a fused read
     # of that buffer before the scatter into it.)

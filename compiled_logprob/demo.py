@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from compiled_logprob._torch_version import all_gather_single
 from compiled_logprob.nemo_compat import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
@@ -258,7 +259,7 @@ def full_head(model: TinyCausalLM, options: Options, tp_group: dist.ProcessGroup
     """All TP ranks' head rows, ``[V, D]`` (shards may be uneven: pad, gather, trim)."""
     rows = -(-options.vocab // options.tp)
     padded = F.pad(model.head.detach(), (0, 0, 0, rows - model.head.shape[0]))
-    gathered = funcol.all_gather_single(padded, 0, tp_group).view(options.tp, rows, -1)
+    gathered = all_gather_single(padded, 0, tp_group).view(options.tp, rows, -1)
     bounds = [vocab_bounds(options.vocab, options.tp, rank) for rank in range(options.tp)]
     return torch.cat([gathered[rank, : end - start] for rank, (start, end) in enumerate(bounds)])
 

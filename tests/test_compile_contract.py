@@ -29,12 +29,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compiled_logprob as cl
 from compiled_logprob import _math, _ops
+from compiled_logprob._torch_version import all_gather_single
 from compiled_logprob.testing.reference import vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -210,11 +212,13 @@ class RecordingBackend:
     """A ``torch.compile`` backend that keeps every forward and backward graph it compiles.
 
     ``"inductor"`` records the graphs Inductor lowers (after its decompositions and
-    partitioning); ``"aot_eager"`` records AOT Autograd's graphs, decomposed with
-    Inductor's table when ``decompose`` is set, and runs them as they are.
+    partitioning); ``"aot_eager"`` records AOT Autograd's graphs and runs them as they are,
+    with ``as_inductor`` decomposed with Inductor's table and partitioned by its min-cut
+    partitioner (the default partitioner of torch 2.12 recomputes a forward collective in
+    backward, where Inductor's saves its output).
     """
 
-    def __init__(self, backend: str, *, decompose: bool = False) -> None:
+    def __init__(self, backend: str, *, as_inductor: bool = False) -> None:
         self.graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
         if backend == "inductor":
             self._compile = partial(compile_fx, inner_compile=self._inductor_inner)
@@ -222,7 +226,10 @@ class RecordingBackend:
             self._compile = aot_autograd(
                 fw_compiler=self._recorder("forward"),
                 bw_compiler=self._recorder("backward"),
-                decompositions=select_decomp_table() if decompose else None,
+                decompositions=select_decomp_table() if as_inductor else None,
+                partition_fn=(
+                    min_cut_rematerialization_partition if as_inductor else default_partition
+                ),
             )
 
     def _inductor_inner(self, gm, inputs, **kwargs):
@@ -350,12 +357,14 @@ def _functional_collectives_under_sync_check() -> None:
     group_name = dist.group.WORLD.group_name
     rank = dist.get_rank()
     x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    # torch 2.12 names the reduce-scatter as it did the all-gather (see _torch_version).
+    reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     with no_host_syncs():
-        gathered = funcol.all_gather_single(x.detach(), 0, group_name)
+        gathered = all_gather_single(x.detach(), 0, group_name)
         reduced = funcol.wait_tensor(funcol.all_reduce(x.detach(), "sum", group_name))
-        scattered = funcol.reduce_scatter_single(x.detach(), "sum", 0, group_name)
+        scattered = reduce_scatter(x.detach(), "sum", 0, group_name)
         swapped = funcol.all_to_all_single(x.detach(), None, None, group_name)
-        funcol.all_gather_single_autograd(x, 0, group_name).sum().backward()
+        all_gather_single(x, 0, group_name).sum().backward()
         results = [t.clone() for t in (gathered, reduced, scattered, swapped, x.grad)]
     ones = torch.ones(2, 3)
     expected = [
@@ -570,7 +579,7 @@ def _graph_ops_per_entry_point() -> dict:
     found = {}
     for name, fn in ENTRY_POINTS.items():
         torch._dynamo.reset()
-        compiled, recorder = compile_recording(fn, "aot_eager", decompose=True)
+        compiled, recorder = compile_recording(fn, "aot_eager", as_inductor=True)
         logits, target = make_inputs(SEQ_LENS[0], start, end)
         compiled(logits[name], target, start, end, group).sum().backward()
         found[name] = {}

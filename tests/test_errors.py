@@ -414,8 +414,8 @@ def test_torch_release(version, release):
 def test_old_torch_is_refused_at_import():
     """Older torch fails the suite (a missing collective, a wrong DTensor gradient): refuse it
     at import with the fix, not later with an AttributeError or wrong numbers."""
-    program = "import torch; torch.__version__ = '2.12.1'; import compiled_logprob"
+    program = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
     assert result.returncode != 0
-    assert "ImportError: compiled_logprob needs torch >= 2.13, found 2.12.1" in result.stderr
-    assert "pip install 'torch>=2.13'" in result.stderr
+    assert "ImportError: compiled_logprob needs torch >= 2.12, found 2.11.0" in result.stderr
+    assert "pip install 'torch>=2.12'" in result.stderr
