@@ -323,7 +323,7 @@ def _cp_logprobs(
     # With next_token (NeMo's shift), position t scores token t + 1. Positions past the
     # scored ones (the last, the padding) score token 0 at temperature 1 (whatever
     # input_ids hold), and are cut off below.
-    scored = input_ids[..., int(next_token) :]
+    scored = input_ids[..., (1 if next_token else 0) :]
     result = _local_logprobs(
         local_fn,
         this_rank(scored, 0),
@@ -483,7 +483,7 @@ def _packed_cp_logprobs(
     # With next_token, position t scores token t + 1 of its sequence and a sequence's last
     # position scores token 0 (dropped below). The clamps keep indices in range even where
     # cu_seqlens_padded is malformed, so that the device-side check above is what reports it.
-    shift = int(next_token)
+    shift = 1 if next_token else 0
     scored = mine + shift < end
     if pre_rolled:
         ids = input_ids
