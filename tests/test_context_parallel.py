@@ -333,7 +333,9 @@ def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None, next_token=True
             )
         elif api == "get_next_token_logprobs_from_logits":
             assert next_token, f"{api} always shifts"
-            out = nemo.get_next_token_logprobs_from_logits(target, logits, given_index, chunk_size=chunk)
+            out = nemo.get_next_token_logprobs_from_logits(
+                target, logits, given_index, chunk_size=chunk
+            )
         else:
             assert next_token, f"{api} always shifts"
             out = nemo.get_logprobs_from_vocab_parallel_logits(logits, target, given_index, chunk)
@@ -849,7 +851,9 @@ def _compile_other_entry_points(tp, cp):
 
     def next_token(local):
         # NeMo-RL's dispatcher assumes even vocabulary shards: here there is one (tp = 1).
-        return nemo.get_next_token_logprobs_from_logits(ids, local, None, tp_rank, tp_group, cp_group)
+        return nemo.get_next_token_logprobs_from_logits(
+            ids, local, None, tp_rank, tp_group, cp_group
+        )
 
     def pre_rolled(logits):
         return nemo.from_parallel_logits_to_logprobs_packed_sequences(

@@ -180,7 +180,9 @@ def _next_token_logprobs_against_oracle() -> None:
     full = torch.randn(2, 9, vocab, generator=gen, dtype=torch.float64)
     ids = torch.randint(0, vocab, (2, 9), generator=gen)
     shard = full[..., rank * width : (rank + 1) * width].float().requires_grad_()
-    ours = cl.get_next_token_logprobs_from_logits(ids, shard, None, rank, dist.group.WORLD, None, None, 4)
+    ours = cl.get_next_token_logprobs_from_logits(
+        ids, shard, None, rank, dist.group.WORLD, None, None, 4
+    )
     oracle_in = full.float().double().requires_grad_()
     expected = oracle_logprobs(oracle_in[:, :-1], ids[:, 1:])
     upstream = torch.randn(expected.shape, generator=gen, dtype=torch.float64)

@@ -209,7 +209,9 @@ CASES = {
         ["top_p=0.0"],
     ),
     "next_token_logprobs_without_rank": (
-        lambda: cl.get_next_token_logprobs_from_logits(TARGET, LOGITS, vocab_parallel_group=object()),
+        lambda: cl.get_next_token_logprobs_from_logits(
+            TARGET, LOGITS, vocab_parallel_group=object()
+        ),
         ValueError,
         ["vocab_parallel_rank must be given", "[rank * V_local, (rank + 1) * V_local)"],
     ),
