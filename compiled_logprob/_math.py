@@ -246,11 +246,7 @@ def exchange_stats(
     rounded once. ``entropy`` ``[B, S]`` is the full vocabulary's with entropy, else 0.
     Asserts, without a host sync, that every non-ignored target is owned by exactly one rank.
     """
-    if group_name is None:
-        gathered = stats.unsqueeze(0)
-    else:
-        gathered = all_gather_single(stats, 0, group_name)
-        gathered = gathered.unflatten(0, (-1, stats.shape[0]))  # [R, B, S, F]
+    gathered = gather_ranks(stats, group_name)
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
     shift = _finite_or_zero(row_max.amax(0))
     inverse_t = torch.ones_like(shift) if temperature is None else 1.0 / temperature
@@ -273,13 +269,8 @@ def exchange_stats(
 
     first = 3 if with_entropy else 2
     if topk:
-        # [B, S, R · topk]: every rank's candidates, of which the best topk are global.
-        candidates, ids = gathered[..., first:].movedim(0, -2).split(topk, dim=-1)
-        candidates, ids = candidates.flatten(-2), ids.flatten(-2)
-        if gathered.shape[0] > 1:
-            best = candidates.topk(topk, dim=-1).indices
-            candidates, ids = candidates.gather(-1, best), ids.gather(-1, best)
-        return shift, log_total, shifted(candidates), entropy, ids.long()
+        candidates, ids = merge_topk(gathered[..., first:], topk)
+        return shift, log_total, shifted(candidates), entropy, ids
     no_ids = log_total.new_zeros(*log_total.shape, 0, dtype=torch.int64)
     if target is None:
         return shift, log_total, log_total.new_zeros(*log_total.shape, 0), entropy, no_ids
@@ -292,6 +283,25 @@ def exchange_stats(
         target_logit = torch.where(ignored, 0.0, target_logit)
     torch._assert_async(owned_once.all(), OWNERSHIP_ERROR)
     return shift, log_total, target_logit, entropy, no_ids
+
+
+def gather_ranks(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    """Every rank's ``stats`` ``[B, ...]``, stacked as ``[R, B, ...]`` (one all-gather)."""
+    if group_name is None:
+        return stats.unsqueeze(0)
+    return all_gather_single(stats, 0, group_name).unflatten(0, (-1, stats.shape[0]))
+
+
+def merge_topk(gathered: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global top ``k`` ``(logits [B, S, k], int64 ids [B, S, k])``, in decreasing order,
+    of every rank's :func:`topk_stats` candidates ``[R, B, S, 2k]``."""
+    # [B, S, R · k]: every rank's candidates, of which the best k are global.
+    candidates, ids = gathered.movedim(0, -2).split(k, dim=-1)
+    candidates, ids = candidates.flatten(-2), ids.flatten(-2)
+    if gathered.shape[0] > 1:
+        best = candidates.topk(k, dim=-1).indices
+        candidates, ids = candidates.gather(-1, best), ids.gather(-1, best)
+    return candidates, ids.long()
 
 
 def grad_logits(

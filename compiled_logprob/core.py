@@ -347,6 +347,21 @@ def vocab_parallel_entropy(
     return entropy
 
 
+def _check_topk(k: int, vocab_start: int, width: int) -> None:
+    """``k`` for a top-k over a shard of ``width`` entries from ``vocab_start``."""
+    vocab_end = _as_int(vocab_start, "vocab_start", minimum=0) + width
+    if vocab_end > _MAX_TOPK_VOCAB:
+        raise ValueError(
+            f"the top-k supports vocabularies of up to 2**24 ids (they travel as fp32), but "
+            f"this shard ends at id {vocab_end}"
+        )
+    if _as_int(k, "k") not in range(1, width + 1):
+        raise ValueError(
+            f"k must be an int in [1, V_local = {width}] (this rank's vocabulary slice), "
+            f"got {k!r}"
+        )
+
+
 def vocab_parallel_topk(
     logits: torch.Tensor,
     k: int,
@@ -371,17 +386,7 @@ def vocab_parallel_topk(
     before the collective, which the others would then wait in).
     """
     _validate_logits(logits, chunk_size)
-    vocab_end = _as_int(vocab_start, "vocab_start", minimum=0) + logits.shape[-1]
-    if vocab_end > _MAX_TOPK_VOCAB:
-        raise ValueError(
-            f"vocab_parallel_topk supports vocabularies of up to 2**24 ids (they travel as "
-            f"fp32), but this shard ends at id {vocab_end}"
-        )
-    if _as_int(k, "k") not in range(1, logits.shape[-1] + 1):
-        raise ValueError(
-            f"k must be an int in [1, V_local = {logits.shape[-1]}] (this rank's vocabulary "
-            f"slice), got {k!r}"
-        )
+    _check_topk(k, vocab_start, logits.shape[-1])
     _, log_total, top_logits, _, ids = _stats(
         logits,
         None,

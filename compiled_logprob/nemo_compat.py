@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
-from compiled_logprob import context_parallel, core, dtensor
+from compiled_logprob import _math, context_parallel, core, dtensor
 
 __all__ = [
     "ChunkedDistributedEntropy",
@@ -197,6 +199,92 @@ __all__ += [
     "get_logprobs_from_vocab_parallel_logits",
     "get_next_token_logprobs_from_logits",
 ]
+
+
+# Raw logits (not log-probs) over the sharded vocabulary.
+
+__all__ += ["distributed_vocab_topk", "gather_logits_at_global_indices"]
+
+
+def distributed_vocab_topk(
+    vocab_parallel_logits: torch.Tensor,
+    k: int,
+    tp_group: dist.ProcessGroup | None,
+    *,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for NeMo-RL's ``distributed_vocab_topk``: the global top ``k`` logits over the
+    sharded vocabulary, fp32 ``[B, S, k]`` in decreasing order, and their int64 global ids.
+
+    The logits themselves, not differentiable (:func:`compiled_logprob.vocab_parallel_topk`
+    gives log-probs with gradients). ``k`` at most this rank's ``V_local`` (every rank's: with
+    uneven shards, the smallest). One all-gather of ``[B, S, 2k]`` candidates, which the
+    block maxima of :func:`compiled_logprob.vocab_parallel_topk` select; ``chunk_size`` is
+    NeMo-RL's, and bounds nothing here: no ``[B, S, V_local]`` temporary is made.
+    """
+    logits, start = _this_shard(vocab_parallel_logits, vocab_start_index, vocab_end_index, True)
+    core._validate_logits(logits, chunk_size)
+    core._check_topk(k, start, logits.shape[-1])
+    candidates, _ = _math.topk_stats(logits, k, start)
+    return _math.merge_topk(_math.gather_ranks(candidates, core._group_name(tp_group)), k)
+
+
+def gather_logits_at_global_indices(
+    vocab_parallel_logits: torch.Tensor,
+    global_indices: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    *,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Drop-in for NeMo-RL's ``gather_logits_at_global_indices``: the logits at K global ids per
+    position, fp32 ``[B, S, K]``, of ``[B, S / CP, V_local]`` load-balanced logits and the full
+    ``global_indices`` ``[B, S, K]`` (natural order).
+
+    Differentiable: each rank's logits receive the upstream gradient at the ids they own
+    (summed over its CP group at its positions, as the CP gather's backward sums). An id that
+    no rank owns is an error (on the device), not a logit of 0. One all-reduce of ``[B, S / CP,
+    2K]`` over TP and one all-gather over CP; ``chunk_size`` is NeMo-RL's and bounds nothing:
+    K entries per row are gathered.
+    """
+    logits, start = _this_shard(vocab_parallel_logits, vocab_start_index, vocab_end_index, False)
+    core._validate_logits(logits, chunk_size)
+    core._validate_token_ids(global_indices, "global_indices")
+    if global_indices.dim() != 3 or global_indices.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"global_indices must be [B, S, K] with the logits' B, got "
+            f"{tuple(global_indices.shape)} for logits {tuple(logits.shape)}"
+        )
+    cp_size, _ = context_parallel._size_rank(cp_group)
+    seq_len = global_indices.shape[1]
+    if cp_size > 1:
+        padding = logits.shape[1] * cp_size - seq_len
+        if padding < 0:
+            raise ValueError(
+                f"the logits hold {logits.shape[1]} positions on each of {cp_size} CP ranks, "
+                f"fewer than the {seq_len} of global_indices {tuple(global_indices.shape)}"
+            )
+        global_indices = context_parallel.shard_for_context_parallel(
+            F.pad(global_indices, (0, 0, 0, padding)), group=cp_group
+        )
+    # [x at each id where this shard owns it, else 0; 1.0 where it owns it]: summed over TP.
+    local = _math.target_stats(logits, global_indices, start)
+    group_name = core._group_name(tp_group)
+    total = local.detach()
+    if group_name is not None:
+        total = funcol.wait_tensor(funcol.all_reduce(total, "sum", group_name))
+    torch._assert_async((total[..., global_indices.shape[-1] :] == 1).all(), _math.OWNERSHIP_ERROR)
+    # The sum's value, with each rank's gradient flowing to its own ids only (as in NeMo-RL,
+    # whose all-reduce is not differentiated).
+    picked = local + (total - local.detach())
+    picked = picked[..., : global_indices.shape[-1]]
+    if cp_size > 1:
+        picked = context_parallel.gather_context_parallel(picked, group=cp_group)[:, :seq_len]
+    return picked
 
 
 def _get_tokens_on_this_cp_rank(

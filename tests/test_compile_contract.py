@@ -29,7 +29,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._functorch.partitioners import (
+    default_partition,
+    min_cut_rematerialization_partition,
+)
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -131,6 +134,21 @@ def _chunked_distributed_entropy(logits, target, start, end, group):
     return cl.ChunkedDistributedEntropy.apply(logits, CHUNK, group)
 
 
+def _distributed_vocab_topk(logits, target, start, end, group):
+    # Not differentiable: no backward graph, no gradient.
+    values, ids = cl.distributed_vocab_topk(
+        logits, 3, group, vocab_start_index=start, vocab_end_index=end
+    )
+    return torch.cat([values, ids.float()], dim=-1)
+
+
+def _gather_logits_at_global_indices(logits, target, start, end, group):
+    ids = torch.stack([target, (target * 5 + 1) % VOCAB], dim=-1)
+    return cl.gather_logits_at_global_indices(
+        logits, ids, group, vocab_start_index=start, vocab_end_index=end
+    )
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -150,8 +168,13 @@ ENTRY_POINTS = {
         _compute_distributed_log_softmax_with_grad,
         _chunked_distributed_gather_logprob,
         _chunked_distributed_entropy,
+        _distributed_vocab_topk,
+        _gather_logits_at_global_indices,
     )
 }
+# The raw logits at given ids sum the shards' in one all-reduce (its backward is each
+# shard's own: no collective), not the statistics' all-gather.
+FORWARD_COLLECTIVE = {"gather_logits_at_global_indices": "_c10d_functional::all_reduce"}
 # A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
 SHARDED_OUTPUT = {
     "log_softmax_temperature",
@@ -581,7 +604,9 @@ def _graph_ops_per_entry_point() -> dict:
         torch._dynamo.reset()
         compiled, recorder = compile_recording(fn, "aot_eager", as_inductor=True)
         logits, target = make_inputs(SEQ_LENS[0], start, end)
-        compiled(logits[name], target, start, end, group).sum().backward()
+        out = compiled(logits[name], target, start, end, group)
+        if out.requires_grad:
+            out.sum().backward()
         found[name] = {}
         for kind in ("forward", "backward"):
             ops = recorder.ops(kind, "_c10d_functional") | recorder.ops(kind, "compiled_logprob")
@@ -601,7 +626,9 @@ def tp_graph_ops(gloo_pool):
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 def test_collectives_per_call(tp_graph_ops, name):
     # The op is decomposed away (chunked or not); top-k candidates travel with the statistics.
-    expected_forward = {"_c10d_functional::all_gather_into_tensor": 1}
+    expected_forward = {
+        FORWARD_COLLECTIVE.get(name, "_c10d_functional::all_gather_into_tensor"): 1
+    }
     expected_backward = {"_c10d_functional::all_reduce": 1} if name in SHARDED_OUTPUT else {}
     assert tp_graph_ops[name] == {"forward": expected_forward, "backward": expected_backward}
 

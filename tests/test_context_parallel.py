@@ -397,6 +397,33 @@ def _check_gather(tp, cp, seed=0):
         )
 
 
+def _check_gather_logits(tp, cp, seed=0):
+    """NeMo-RL's ``gather_logits_at_global_indices``: the full logits at K global ids per
+    position, exactly; a rank's logits receive, at its positions and the ids it owns, the
+    sum over its CP group of the upstream gradients (S = 13 and 11 need padding)."""
+    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    seq = 13 if cp < 4 else 11
+    local_len = 2 * -(-seq // (2 * cp))
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen)
+    ids = torch.randint(0, VOCAB, (BATCH, seq, 3), generator=gen)
+    logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
+    out = nemo.gather_logits_at_global_indices(
+        logits, ids, tp_group, cp_group, vocab_start_index=lo, vocab_end_index=hi
+    )
+    assert torch.equal(out, full[:, :seq].gather(-1, ids))
+    upstream, upstream_sum = _upstreams(out.shape, seed, tp_rank, cp_rank, cp)
+    out.backward(upstream.float())
+    expected = torch.zeros(full.shape, dtype=torch.float64)
+    expected[:, :seq].scatter_add_(-1, ids, upstream_sum)
+    # The CP gather's backward sums fp32 gradients over the CP group.
+    torch.testing.assert_close(
+        logits.grad.double(), _ref_shard(expected, cp_rank, cp, 1)[..., lo:hi],
+        rtol=1e-5, atol=1e-6,
+    )
+
+
 def _check_edge_cases(tp, cp):
     """Empty input and ids that are never scored, under this grid's CP: S = 0 gives
     ``[B, 0]``; an empty packed row gives zeros; ``input_ids[..., 0]`` (in a packed row,
@@ -503,6 +530,7 @@ def _check_grid(tp, cp):
     ):
         _check_dtensor(tp, cp, api, 12 if cp < 4 else 16, chunk)
     _check_gather(tp, cp)
+    _check_gather_logits(tp, cp)
     _check_edge_cases(tp, cp)
 
 
@@ -903,6 +931,10 @@ def _host_sync_checks(tp, cp):
             nemo.from_parallel_logits_to_logprobs_packed_sequences(
                 pre_rolled_logits, rolled, rolled_cu, 5, lo, hi, tp_group, cp_group=cp_group,
                 target_is_pre_rolled=True,
+            ),
+            nemo.gather_logits_at_global_indices(
+                logits, torch.stack([ids, ids.flip(-1)], -1)[:, 1:], tp_group, cp_group,
+                vocab_start_index=lo, vocab_end_index=hi,
             ),
             *cp_api.packed_context_parallel_logprobs(
                 packed_logits, packed_ids[None], cu, max_seqlen=5, vocab_start=lo,

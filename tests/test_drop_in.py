@@ -207,3 +207,40 @@ def test_next_token_logprobs_unsharded():
         cl.get_next_token_logprobs_from_logits(ids, logits),
         torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0],
     )
+
+
+def _raw_logits_against_full() -> None:
+    """NeMo-RL's raw-logit helpers on uneven shards: the global top-k logits and ids of the
+    full logits, exactly; the logits at K global ids, exactly, each rank's shard receiving
+    the upstream gradient at the ids it owns."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = vocab_bounds(VOCAB, world, rank)
+    gen = torch.Generator().manual_seed(14)
+    full = torch.randn(2, 9, VOCAB, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 9, 5), generator=gen)
+    group = dist.group.WORLD
+    shard = full[..., start:end].clone().requires_grad_()
+
+    values, top_ids = cl.distributed_vocab_topk(
+        shard, 6, group, vocab_start_index=start, vocab_end_index=end, chunk_size=4
+    )
+    assert not values.requires_grad and values.dtype == torch.float32
+    assert torch.equal(values, full.float().topk(6).values)
+    # bf16 logits tie: any ids of the top values will do, each once.
+    assert torch.equal(full.float().gather(-1, top_ids), values)
+    assert (top_ids.sort(-1).values.diff(dim=-1) > 0).all()
+
+    picked = cl.gather_logits_at_global_indices(
+        shard, ids, group, vocab_start_index=start, vocab_end_index=end
+    )
+    assert picked.dtype == torch.float32
+    assert torch.equal(picked, full.float().gather(-1, ids))
+    upstream = torch.randn(picked.shape, generator=gen)
+    picked.backward(upstream)
+    expected_grad = torch.zeros(full.shape).scatter_add_(-1, ids, upstream)[..., start:end]
+    torch.testing.assert_close(shard.grad.float(), expected_grad.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_raw_logit_helpers_match_full_logits(gloo_pool, world):
+    gloo_pool(world).run(_raw_logits_against_full)

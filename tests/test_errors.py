@@ -215,6 +215,25 @@ CASES = {
         ValueError,
         ["vocab_parallel_rank must be given", "[rank * V_local, (rank + 1) * V_local)"],
     ),
+    "vocab_topk_k_above_shard": (
+        lambda: cl.distributed_vocab_topk(LOGITS, 8, None, vocab_start_index=0, vocab_end_index=7),
+        ValueError,
+        ["k must be an int in [1, V_local = 7]", "got 8"],
+    ),
+    "gather_logits_one_id_per_position": (
+        lambda: cl.gather_logits_at_global_indices(
+            LOGITS, TARGET, None, vocab_start_index=0, vocab_end_index=7
+        ),
+        ValueError,
+        ["global_indices must be [B, S, K]", "(2, 5)", "(2, 5, 7)"],
+    ),
+    "gather_logits_out_of_vocabulary": (
+        lambda: cl.gather_logits_at_global_indices(
+            LOGITS, torch.full((2, 5, 1), 7), None, vocab_start_index=0, vocab_end_index=7
+        ),
+        RuntimeError,
+        ["not owned by exactly one vocabulary shard"],
+    ),
     "pre_rolled_targets_not_local": (
         lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
             LOGITS[:1], TARGET[:1, :4], torch.tensor([0, 5]), 5, 0, 7, None,
