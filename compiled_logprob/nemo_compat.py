@@ -125,7 +125,7 @@ def _compute_distributed_log_softmax_with_grad(
 ) -> torch.Tensor:
     """Drop-in for NeMo-RL's function of the same name: :func:`_compute_distributed_log_softmax`
     (differentiable either way here)."""
-    return core.vocab_parallel_log_softmax(vocab_parallel_logits, group=group)
+    return _compute_distributed_log_softmax(vocab_parallel_logits, group)
 
 
 class ChunkedDistributedGatherLogprob:

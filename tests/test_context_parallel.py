@@ -67,6 +67,17 @@ def _ref_shard(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
 
 
+def _ref_shard_packed(x: torch.Tensor, bounds, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of a packed row ``x`` ``[T, ...]``: each padded sequence ``[s, e)`` of
+    ``bounds`` load-balanced-sharded on its own, concatenated."""
+    return torch.cat([_ref_shard(x[s:e], rank, size, 0) for s, e in bounds])
+
+
+def _rolled_within(ids: torch.Tensor, bounds) -> torch.Tensor:
+    """A packed row's ids rolled left by one within each sequence (NeMo-RL's pre-rolling)."""
+    return torch.cat([ids[s:e].roll(-1) for s, e in bounds])
+
+
 def _upstreams(shape, seed: int, tp_rank: int, cp_rank: int, cp: int):
     """This rank's upstream gradient and the sum of those of its CP group (same tp_rank)."""
     grads = [
@@ -229,11 +240,11 @@ def _check_packed(
     ids, options = _extras(extras, ids, (len(lengths), max_seqlen - next_token), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    local = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])
+    local = _ref_shard_packed(full, bounds, cp_rank, cp)
     logits = local[None, :, lo:hi].float().requires_grad_()
     given = ids
     if api == "pre_rolled":
-        given = torch.cat([_ref_shard(ids[s:e].roll(-1), cp_rank, cp, 0) for s, e in bounds])
+        given = _ref_shard_packed(_rolled_within(ids, bounds), bounds, cp_rank, cp)
 
     out = _stacked(
         _packed_logprobs(
@@ -246,7 +257,7 @@ def _check_packed(
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
-    expected_grad = torch.cat([_ref_shard(oracle_in.grad[s:e], cp_rank, cp, 0) for s, e in bounds])
+    expected_grad = _ref_shard_packed(oracle_in.grad, bounds, cp_rank, cp)
     _assert_matches(
         out, expected, logits.grad, expected_grad[None, :, lo:hi], upstream_sum, torch.float32
     )
@@ -476,7 +487,7 @@ def _check_edge_cases(tp, cp):
     assert torch.equal(plain(logits, ids_bad), plain(logits, ids))
     full, packed_ids, cu = _packed_layout((5, 0, 9, 1), cp, 5, torch.int64)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    logits = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])[None, :, lo:hi]
+    logits = _ref_shard_packed(full, bounds, cp_rank, cp)[None, :, lo:hi]
     ids_bad = packed_ids.clone()
     ids_bad[[s for s, e in bounds if e > s]] = -1
     logits = logits.float()
@@ -816,9 +827,7 @@ def _compile_checks(tp, cp):
                 lengths, max_seqlen = case
                 full, ids, cu = _packed_layout(lengths, cp, seed, torch.int32)
                 bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-                leaf = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])[
-                    None, :, lo:hi
-                ].float()
+                leaf = _ref_shard_packed(full, bounds, cp_rank, cp)[None, :, lo:hi].float()
                 args = (ids[None], cu, max_seqlen)
             eager_out, eager_grad = run(fn, leaf, *args)
             out, grad = run(compiled, leaf, *args)
@@ -836,8 +845,8 @@ def _pre_rolled_case(tp, cp, lengths=(3, 5)):
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     full, ids, cu = _packed_layout(lengths, cp, 0, torch.int32)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    logits = torch.cat([_ref_shard(full[s:e], cp_rank, cp, 0) for s, e in bounds])
-    rolled = torch.cat([_ref_shard(ids[s:e].roll(-1), cp_rank, cp, 0) for s, e in bounds])
+    logits = _ref_shard_packed(full, bounds, cp_rank, cp)
+    rolled = _ref_shard_packed(_rolled_within(ids, bounds), bounds, cp_rank, cp)
     return logits[None, :, lo:hi].float(), rolled[None], cu
 
 

@@ -4,11 +4,10 @@ same way, positional arguments included. Numerics against the float64 oracle are
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
+from test_errors import SamplingParams
 
 import compiled_logprob as cl
 from compiled_logprob.testing.reference import (
@@ -137,17 +136,8 @@ def test_gather_logprob_and_entropy_inference_only_give_no_graph():
     assert not any(out.requires_grad for out in outs)
 
 
-@dataclasses.dataclass
-class _SamplingParams:
-    """NeMo-RL's ``TrainingSamplingParams``."""
-
-    top_k: int | None = None
-    top_p: float = 1.0
-    temperature: float = 1.0
-
-
 @pytest.mark.parametrize(
-    "params", [None, _SamplingParams(), _SamplingParams(top_k=-1, temperature=0.5)], ids=str
+    "params", [None, SamplingParams(), SamplingParams(top_k=-1, temperature=0.5)], ids=str
 )
 def test_unfiltered_sampling_params_change_nothing(params):
     """Passed positionally where NeMo-RL takes them; the temperature is the caller's to apply,

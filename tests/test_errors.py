@@ -19,8 +19,8 @@ TARGET = torch.randint(0, 7, (2, 5))
 
 
 @dataclasses.dataclass
-class _SamplingParams:
-    """NeMo-RL's ``TrainingSamplingParams``, as its drop-ins read it."""
+class SamplingParams:
+    """NeMo-RL's ``TrainingSamplingParams``, as its drop-ins read it (test_drop_in's too)."""
 
     top_k: int | None = None
     top_p: float = 1.0
@@ -181,14 +181,14 @@ CASES = {
     ),
     "top_k_filtering": (
         lambda: cl.from_parallel_logits_to_logprobs(
-            LOGITS, TARGET, 0, 7, None, False, None, None, _SamplingParams(top_k=5)
+            LOGITS, TARGET, 0, 7, None, False, None, None, SamplingParams(top_k=5)
         ),
         NotImplementedError,
         ["top-k/top-p", "top_k=5", "top_p=1.0", "sampling_params=None"],
     ),
     "top_p_filtering": (
         lambda: cl.dtensor_from_parallel_logits_to_logprobs(
-            LOGITS, TARGET, 0, 7, None, sampling_params=_SamplingParams(top_p=0.9)
+            LOGITS, TARGET, 0, 7, None, sampling_params=SamplingParams(top_p=0.9)
         ),
         NotImplementedError,
         ["top_k=None", "top_p=0.9"],
@@ -196,14 +196,14 @@ CASES = {
     "top_k_filtering_packed": (
         lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
             LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), 5, 0, 7, None,
-            sampling_params=_SamplingParams(top_k=1, top_p=0.5),
+            sampling_params=SamplingParams(top_k=1, top_p=0.5),
         ),
         NotImplementedError,
         ["top_k=1", "top_p=0.5"],
     ),
     "top_p_filtering_get_logprobs": (
         lambda: cl.get_logprobs_from_vocab_parallel_logits(
-            LOGITS, TARGET, sampling_params=_SamplingParams(top_p=0.0)
+            LOGITS, TARGET, sampling_params=SamplingParams(top_p=0.0)
         ),
         NotImplementedError,
         ["top_p=0.0"],
