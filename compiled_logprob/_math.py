@@ -29,6 +29,9 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from compiled_logprob._torch_version import all_gather_single
 
@@ -285,6 +288,101 @@ def exchange_stats(
     return shift, log_total, target_logit, entropy, no_ids
 
 
+def filtered_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    temperature: torch.Tensor | None,
+    group_name: str | None,
+    ignore_index: int | None,
+    *,
+    top_k: int,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(shift, log_total, target_logit, threshold)`` of the top-k/top-p filtered softmax of
+    ``z``: as :func:`exchange_stats` returns them, over the kept ids ``x >= threshold``
+    instead of the full vocabulary (``threshold`` ``[B, S]``, unscaled like ``shift``), and
+    ``target_logit`` ``-inf`` at the ids filtered out.
+
+    ``logits`` ``[B, S, V_local]`` hold rank r's slice ``[r · V_local, (r + 1) · V_local)``
+    (every rank the same width); ``target`` ``[B, S, K]`` global ids. Filtering needs whole
+    rows (top-p sorts them), so one all-to-all trades each rank's vocabulary slice of all
+    rows for all slices of ``1 / R`` of the rows; each rank filters its rows and one
+    all-gather of ``[B·S / R, 3 + K]`` statistics brings every row's back.
+    """
+    batch, seq, width = logits.shape
+    rows = batch * seq
+    ranks, rank = _size_rank(group_name)
+    per_rank = -(-rows // ranks)
+    vocab = ranks * width
+
+    def my_rows(per_row: torch.Tensor, fill: float) -> torch.Tensor:  # [B, S, *] -> [n, *]
+        flat = per_row.reshape(rows, -1)
+        padded = F.pad(flat, (0, 0, 0, per_rank * ranks - rows), value=fill)
+        return padded.view(ranks, per_rank, -1)[rank]
+
+    whole = logits.reshape(rows, width)  # [n, V] rows
+    if group_name is not None:
+        whole = F.pad(whole, (0, 0, 0, per_rank * ranks - rows)).contiguous()
+        traded = funcol.wait_tensor(funcol.all_to_all_single(whole, None, None, group_name))
+        # [R, n, V_local], rank r's slice of this rank's rows -> [n, V] in vocabulary order.
+        whole = traded.view(ranks, per_rank, width).movedim(0, 1).flatten(1)
+    scale = None if temperature is None else my_rows(temperature.unsqueeze(-1), 1.0)
+    shift, log_total, threshold = _filter_rows(whole.float(), scale, top_k, top_p)
+    ids = my_rows(target, 0).clamp(0, vocab - 1)
+    picked = whole.gather(-1, ids).float()
+    stats = torch.cat([shift, log_total, threshold, picked], dim=-1)  # [n, 3 + K]
+    stats = gather_ranks(stats, group_name).flatten(0, 1)[:rows].view(batch, seq, -1)
+    shift, log_total, threshold = stats[..., 0], stats[..., 1], stats[..., 2]
+    picked = stats[..., 3:]
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
+    target_logit = (picked - shift.unsqueeze(-1)) * inverse_t
+    # Filtered out: log-prob -inf (a NaN row's comparisons are false: it stays NaN).
+    target_logit = torch.where(picked < threshold.unsqueeze(-1), -_INF, target_logit)
+    valid = (target >= 0) & (target < vocab)
+    if ignore_index is not None:
+        ignored = target == ignore_index
+        valid = valid | ignored
+        target_logit = torch.where(ignored, 0.0, target_logit)
+    torch._assert_async(valid.all(), OWNERSHIP_ERROR)
+    return shift, log_total, target_logit, threshold
+
+
+def _size_rank(group_name: str | None) -> tuple[int, int]:
+    if group_name is None:
+        return 1, 0
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return group.size(), group.rank()
+
+
+def _filter_rows(
+    x: torch.Tensor, temperature: torch.Tensor | None, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(shift, log_total, threshold)``, each ``[n, 1]``, of whole rows ``x`` ``[n, V]``
+    (any order) with ``temperature`` ``[n, 1]``: keep the ids ``x >= threshold``.
+
+    Top-k keeps the values at least the k-th largest (ties included). Top-p then keeps, of
+    those, each id whose more probable ids (strictly more: ties go together, whatever order
+    a sort leaves them in) hold less than ``top_p`` of the kept mass: the smallest set of
+    most probable ids that reaches ``top_p``.
+    """
+    shift = _finite_or_zero(x.amax(-1, keepdim=True))
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    threshold = torch.full_like(shift, -_INF)
+    if top_k < x.shape[-1]:
+        threshold = x.topk(top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        ordered = torch.where(x < threshold, -_INF, x).sort(-1, descending=True).values
+        probs = torch.softmax((ordered - shift) * inverse_t, dim=-1)
+        more_probable = probs.cumsum(-1) - probs
+        # The first id always counts (its mass above is 0); the clamp also keeps a NaN row
+        # (whose comparisons are all false) in range.
+        count = (more_probable < top_p).sum(-1, keepdim=True).clamp(min=1)
+        threshold = torch.maximum(threshold, ordered.gather(-1, count - 1))
+    z = (x - shift) * inverse_t
+    log_total = torch.logsumexp(torch.where(x < threshold, -_INF, z), dim=-1, keepdim=True)
+    return shift, log_total, threshold
+
+
 def gather_ranks(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:
     """Every rank's ``stats`` ``[B, ...]``, stacked as ``[R, B, ...]`` (one all-gather)."""
     if group_name is None:
@@ -317,6 +415,7 @@ def grad_logits(
     temperature: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
     eager: bool = False,
     workspace: torch.Tensor | None = None,
     spare: torch.Tensor | None = None,
@@ -329,7 +428,8 @@ def grad_logits(
     ``d target_logit_k/dz = onehot(target_k)``, ``d H/dz = −p · (log p + H)``, and
     ``dz/d logits = 1 / temperature``. For a token log-prob (``g_log_total = −g``,
     ``g_target = g``) this is ``g · (onehot − p)``. Rows whose targets are all ignored get
-    exactly 0, whatever their logits hold.
+    exactly 0, whatever their logits hold. With a ``threshold`` ``[B, S]`` (of
+    :func:`filtered_stats`), ``p`` is the filtered softmax: 0 where ``logits < threshold``.
 
     ``eager`` (op-by-op calls on a block): the fp32 block (in ``workspace``, and ``spare``
     with entropy, when given), updated in place, with the one-hot terms scatter-added; the
@@ -348,6 +448,7 @@ def grad_logits(
         entropy=entropy,
     )
     grad = softmax_terms(_promoted(logits), eager=eager, workspace=workspace, spare=spare)
+    grad = _filtered_out(grad, logits, threshold, eager=eager)
     if target is None:
         return grad if eager else grad.to(logits.dtype)
     index, grad_target, all_ignored = target_terms(
@@ -358,7 +459,8 @@ def grad_logits(
     # The exact gradient at each scattered position (index 0 stands in for ids this shard
     # does not own, and gets its own exact value): its softmax term plus the one-hot terms
     # of every id that lands there (ignored ones add 0).
-    at_index = softmax_terms(logits.gather(-1, index).float(), eager=False)
+    at_logits = logits.gather(-1, index)
+    at_index = _filtered_out(softmax_terms(at_logits.float(), eager=False), at_logits, threshold)
     same = index.unsqueeze(-1) == index.unsqueeze(-2)  # [B, S, K, K]
     at_index = at_index + torch.where(same, grad_target.unsqueeze(-2), 0.0).sum(-1)
     dense = _zero_rows(grad, all_ignored, eager=False).to(logits.dtype)
@@ -433,6 +535,13 @@ def _softmax_terms(
     offset = grad_log_total.unsqueeze(-1) - grad_entropy * (entropy - log_total).unsqueeze(-1)
     weight = _inplace(eager, log2_exps, "mul", grad_entropy * (-_LN_2) * factor)
     return _inplace(eager, _inplace(eager, weight, "add", offset * factor), "mul", exps)
+
+
+def _filtered_out(grad, logits, threshold, eager=False):
+    """``grad`` with 0 at the ids that the filter drops, ``logits < threshold``."""
+    if threshold is None:
+        return grad
+    return _inplace(eager, grad, "masked_fill", logits < threshold.unsqueeze(-1), 0.0)
 
 
 def _zero_rows(grad, all_ignored, eager):

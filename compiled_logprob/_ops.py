@@ -146,7 +146,8 @@ def vocab_parallel_stats_backward(
     temperature: torch.Tensor | None,
     shift: torch.Tensor,
     log_total: torch.Tensor,
-    entropy: torch.Tensor,
+    entropy: torch.Tensor | None,
+    threshold: torch.Tensor | None,
     *,
     vocab_start: int,
     ignore_index: int | None,
@@ -178,7 +179,8 @@ def vocab_parallel_stats_backward(
             ignore_index,
             temperature=_rows(temperature, rows),
             grad_entropy=_rows(grad_entropy, rows),
-            entropy=entropy[:, rows],
+            entropy=_rows(entropy, rows),
+            threshold=_rows(threshold, rows),
             eager=True,
             workspace=out if in_grad else workspace,
             spare=spare,
@@ -222,6 +224,7 @@ def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy, __):
         shift,
         log_total,
         entropy,
+        None,
         **ctx.options,
     )
     return grad, None, None
@@ -278,6 +281,7 @@ def _decompose_backward(
     shift,
     log_total,
     entropy,
+    threshold,
     *,
     vocab_start,
     ignore_index,
@@ -295,4 +299,83 @@ def _decompose_backward(
         temperature=temperature,
         grad_entropy=grad_entropy,
         entropy=entropy,
+        threshold=threshold,
+    )
+
+
+@torch.library.custom_op("compiled_logprob::filtered_stats", mutates_args=())
+def filtered_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    temperature: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    group_name: str | None,
+    ignore_index: int | None,
+    top_k: int,
+    top_p: float,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Whole rows, and top-p's sort of them, are the temporaries here: each block of
+    # chunk_size positions trades and filters its own (two collectives per block).
+    step = chunk_size or max(logits.shape[1], 1)
+    blocks = [
+        _math.filtered_stats(
+            logits[:, start : start + step],
+            target[:, start : start + step],
+            _rows(temperature, slice(start, start + step)),
+            group_name,
+            ignore_index,
+            top_k=top_k,
+            top_p=top_p,
+        )
+        for start in range(0, max(logits.shape[1], 1), step)
+    ]
+    return tuple(torch.cat(parts, dim=1) for parts in zip(*blocks))
+
+
+@filtered_stats.register_fake
+def _(logits, target, temperature, **options):
+    row = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    target_logit = torch.empty_like(target, dtype=torch.float32)
+    return row, torch.empty_like(row), target_logit, torch.empty_like(row)
+
+
+def _setup_filtered(ctx, inputs, keyword_only_inputs, output):
+    logits, target, temperature = inputs
+    shift, log_total, _, threshold = output
+    ctx.mark_non_differentiable(shift, threshold)
+    ctx.save_for_backward(logits, target, temperature, shift, log_total, threshold)
+    ctx.options = {
+        name: keyword_only_inputs[name] for name in ("vocab_start", "ignore_index", "chunk_size")
+    }
+
+
+def _filtered_backward(ctx, _, grad_log_total, grad_target_logit, __):
+    logits, target, temperature, shift, log_total, threshold = ctx.saved_tensors
+    grad = vocab_parallel_stats_backward(
+        grad_log_total,
+        grad_target_logit,
+        None,
+        logits,
+        target,
+        temperature,
+        shift,
+        log_total,
+        None,
+        threshold,
+        **ctx.options,
+    )
+    return grad, None, None
+
+
+filtered_stats.register_autograd(_filtered_backward, setup_context=_setup_filtered)
+
+
+@register_decomposition(torch.ops.compiled_logprob.filtered_stats.default)
+def _decompose_filtered(
+    logits, target, temperature, *, vocab_start, group_name, ignore_index, top_k, top_p, chunk_size
+):
+    return _math.filtered_stats(
+        logits, target, temperature, group_name, ignore_index, top_k=top_k, top_p=top_p
     )

@@ -152,7 +152,9 @@ def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None
         raise ValueError(f"input_ids are on {input_ids.device} but {name} on {tensor.device}")
 
 
-def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index):
+def _logits_logprobs(
+    logits, input_ids, vocab_start, group, chunk_size, ignore_index, top_k=None, top_p=1.0
+):
     """Validated ``logits``' local log-prob computation: ``fn(target, *, temperature,
     return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`."""
     core._validate_logits(logits, chunk_size)
@@ -164,6 +166,8 @@ def _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_i
         group=group,
         chunk_size=chunk_size,
         ignore_index=ignore_index,
+        top_k=top_k,
+        top_p=top_p,
     )
 
 
@@ -233,6 +237,8 @@ def context_parallel_logprobs(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
+    top_k: int | None = None,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of TP×CP-sharded logits, fp32 ``[..., S - 1]`` in natural order.
 
@@ -261,13 +267,17 @@ def context_parallel_logprobs(
             ``input_ids[..., t + 1]`` (masked diffusion LMs; NeMo-RL's
             ``shift_targets=False``): no position is dropped, and every ``[..., S - 1]``
             above, the output's shape included, is ``[..., S]``.
+        top_k, top_p: log-probs under the top-k/top-p filtered distribution, as in
+            :func:`compiled_logprob.token_logprobs` (not with ``return_entropy``).
 
     One all-gather of ``[..., L]`` fp32 log-probs (``[2, ..., L]`` with the entropy) over CP
     forward, one reduce-scatter backward; a rank's logits receive the sum over CP ranks of
     the upstream gradients at its positions. With ``return_entropy``, returns
     ``(logprobs, entropy)``.
     """
-    local_fn = _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index)
+    local_fn = _logits_logprobs(
+        logits, input_ids, vocab_start, group, chunk_size, ignore_index, top_k, top_p
+    )
     return _cp_logprobs(
         local_fn,
         logits,
@@ -403,6 +413,8 @@ def packed_context_parallel_logprobs(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
+    top_k: int | None = None,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of a packed (THD) TP×CP-sharded row, as fp32 ``[B, max_seqlen - 1]``.
 
@@ -418,8 +430,8 @@ def packed_context_parallel_logprobs(
             (full row, not divided by ``C``), each length a multiple of ``2 * C``. It stays
             on the device: its values are checked there and never read by the host.
         max_seqlen: the unpacked length; the output has ``max_seqlen - 1`` columns.
-        vocab_start, group, cp_group, chunk_size, ignore_index, return_entropy: as in
-            :func:`context_parallel_logprobs`.
+        vocab_start, group, cp_group, chunk_size, ignore_index, return_entropy, top_k,
+            top_p: as in :func:`context_parallel_logprobs`.
         temperature: a float, or a tensor that broadcasts to the output
             ``[B, max_seqlen - 1]`` (e.g. ``[B, 1]``, one per sequence).
         next_token: ``False`` scores each sequence's token t at its position t (as in
@@ -429,7 +441,9 @@ def packed_context_parallel_logprobs(
     Within each sequence, position t scores token t + 1; the last position's (wrapped)
     target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
     """
-    local_fn = _logits_logprobs(logits, input_ids, vocab_start, group, chunk_size, ignore_index)
+    local_fn = _logits_logprobs(
+        logits, input_ids, vocab_start, group, chunk_size, ignore_index, top_k, top_p
+    )
     return _packed_cp_logprobs(
         local_fn,
         logits,

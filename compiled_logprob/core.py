@@ -245,6 +245,41 @@ def _stats(
     )
 
 
+def _filter_options(
+    top_k: int | None,
+    top_p: float,
+    logits: torch.Tensor,
+    vocab_start: int,
+    group: dist.ProcessGroup | None,
+    return_entropy: bool,
+) -> tuple[int, float] | None:
+    """Validated ``(top_k, top_p)`` (``top_k`` capped at the full vocabulary), or ``None``
+    when they filter nothing."""
+    if top_k is not None:
+        top_k = _as_int(top_k, "top_k", minimum=1)
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"top_p must be a float in (0, 1], got {top_p!r:.80}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 keeps every id), got {top_p!r}")
+    if top_k is None and top_p == 1:
+        return None
+    if return_entropy:
+        raise ValueError(
+            "return_entropy is not supported with top_k/top_p: call vocab_parallel_entropy for "
+            "the unfiltered distribution's entropy"
+        )
+    width = logits.shape[-1]
+    size, rank = (1, 0) if _group_name(group) is None else (group.size(), group.rank())
+    if vocab_start != rank * width:
+        raise ValueError(
+            f"top_k/top_p need the vocabulary split evenly in rank order (rank r holds ids "
+            f"[r * V_local, (r + 1) * V_local), as NeMo-RL's layout), but rank {rank} of the "
+            f"group holds [{vocab_start}, {vocab_start + width}): split the vocabulary evenly "
+            "(pad it to a multiple of the TP size with -inf logits)"
+        )
+    return min(top_k or size * width, size * width), float(top_p)
+
+
 def token_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -255,6 +290,8 @@ def token_logprobs(
     ignore_index: int | None = None,
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token under the softmax over the full vocabulary.
 
@@ -277,6 +314,17 @@ def token_logprobs(
             never materialised.
         return_entropy: also return the entropy of the full-vocabulary distribution at each
             position, ``[..., S]``, from the same pass over the logits (differentiable).
+        top_k, top_p: score under a sampler's filtered distribution (top-k, then top-p, of
+            the logits over ``temperature``, as vLLM and NeMo-RL filter): the ids kept are
+            those of at least the ``top_k``-th largest logit (ties kept), then of those the
+            fewest most probable whose mass reaches ``top_p`` (tied ids kept or dropped
+            together); the softmax is over the kept ids, and a target filtered out has
+            log-prob ``-inf`` and no gradient. ``None`` and ``1.0`` filter nothing. Needs an
+            even split in rank order (``vocab_start = rank * V_local``, NeMo-RL's layout),
+            and not ``return_entropy``. Filtering needs whole rows: one all-to-all of the
+            logits hands each rank ``1 / TP`` of the rows, whole, to filter (as NeMo-RL
+            does), and one all-gather of ``[B·S / TP, 3 + K]`` statistics brings the rows'
+            back (per chunk, with ``chunk_size``); backward communicates nothing.
 
     Returns:
         fp32 log-probs of ``target``'s shape, differentiable with respect to ``logits``
@@ -286,8 +334,20 @@ def token_logprobs(
     the device without a host sync (``torch._assert_async``).
     """
     _validate_logits(logits, chunk_size)
-    _validate_target(logits, target, vocab_start, ignore_index)
+    vocab_start, ignore_index = _validate_target(logits, target, vocab_start, ignore_index)
     per_position = target.dim() == logits.dim() - 1
+    filtering = _filter_options(top_k, top_p, logits, vocab_start, group, return_entropy)
+    if filtering is not None:
+        return _filtered_logprobs(
+            logits,
+            target.unsqueeze(-1) if per_position else target,
+            *filtering,
+            vocab_start=vocab_start,
+            group=group,
+            chunk_size=chunk_size,
+            ignore_index=ignore_index,
+            temperature=temperature,
+        ).view(target.shape)
     _, log_total, target_logit, entropy, _ = _stats(
         logits,
         target.unsqueeze(-1) if per_position else target,
@@ -308,6 +368,39 @@ def token_logprobs(
         ignored = target == ignore_index
         entropy = torch.where(ignored if per_position else ignored.all(-1), 0.0, entropy)
     return logprobs, entropy
+
+
+def _filtered_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    top_k: int,
+    top_p: float,
+    *,
+    vocab_start: int,
+    group: dist.ProcessGroup | None,
+    chunk_size: int | None,
+    ignore_index: int | None,
+    temperature: float | torch.Tensor,
+) -> torch.Tensor:
+    """Validated :func:`token_logprobs` with filtering, of ``target`` ``[..., S, K]``."""
+    _, log_total, target_logit, _ = _ops.filtered_stats(
+        _as_batch(logits, 2),
+        _as_batch(target, 2),
+        _temperature_rows(temperature, logits.shape[:-1], logits.device),
+        vocab_start=vocab_start,
+        group_name=_group_name(group),
+        ignore_index=ignore_index,
+        top_k=top_k,
+        top_p=top_p,
+        chunk_size=None if chunk_size is None else _as_int(chunk_size, "chunk_size"),
+    )
+    # A filtered-out id's log-prob is the constant -inf: no gradient flows from it.
+    logprobs = torch.where(
+        target_logit == -torch.inf, -torch.inf, target_logit - log_total.unsqueeze(-1)
+    )
+    if ignore_index is not None:
+        logprobs = torch.where(_as_batch(target, 2) == ignore_index, 0.0, logprobs)
+    return logprobs
 
 
 def vocab_parallel_logsumexp(

@@ -128,7 +128,8 @@ def _local_logprobs(
     chunk_size: int | None,
     **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``options``: ``ignore_index``, ``temperature``, ``return_entropy``, ``next_token``."""
+    """``options``: ``ignore_index``, ``temperature``, ``return_entropy``, ``next_token``,
+    ``top_k``, ``top_p``."""
     plain = isinstance(target, torch.Tensor) and not isinstance(target, DTensor)
     if plain and target.dim() and logits.dim() >= 2 and logits.shape[-2] < target.shape[-1]:
         # A plain target means no CP (as in NeMo-RL): the CP group comes from a DTensor
@@ -163,6 +164,8 @@ def dtensor_logprobs(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
+    top_k: int | None = None,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of DTensor logits, fp32 ``[B, S - 1]`` in natural order.
 
@@ -177,10 +180,10 @@ def dtensor_logprobs(
             (under CP it must be one: its mesh gives the CP group).
         seq_index: ``[S]`` natural position of each CP-ordered position; required under CP.
         chunk_size: as in :func:`compiled_logprob.token_logprobs`.
-        ignore_index, temperature, return_entropy, next_token: as in
+        ignore_index, temperature, return_entropy, next_token, top_k, top_p: as in
             :func:`compiled_logprob.context_parallel_logprobs` (a plain tensor
             ``temperature`` in natural order); with ``return_entropy``, returns
-            ``(logprobs, entropy)``.
+            ``(logprobs, entropy)``. ``top_k``/``top_p`` need ``V`` divisible by the TP size.
 
     A vocabulary split that leaves a TP rank no slice (V = 9 over 4 ranks: 3, 3, 3, 0) is a
     ``ValueError`` on every rank, before any collective.
@@ -188,6 +191,13 @@ def dtensor_logprobs(
     start, _ = vocab_shard_bounds(logits)
     _check_no_empty_vocab_slice(logits)
     tp_group = logits.device_mesh.get_group("tp")
+    if (top_k is not None or top_p != 1) and logits.shape[-1] % tp_group.size():
+        # Every rank sees this (a per-rank check of its own bounds would leave the ranks
+        # that pass it waiting in the collective).
+        raise ValueError(
+            f"top_k/top_p need the vocabulary split evenly over the {tp_group.size()} TP ranks, "
+            f"but V = {logits.shape[-1]}: pad the vocabulary to a multiple of the TP size"
+        )
     return _local_logprobs(
         logits.to_local(),
         input_ids,
@@ -199,4 +209,6 @@ def dtensor_logprobs(
         temperature=temperature,
         return_entropy=return_entropy,
         next_token=next_token,
+        top_k=top_k,
+        top_p=top_p,
     )

@@ -14,8 +14,11 @@ differs, on purpose:
 * ``AllGatherCPTensor.apply`` and ``allgather_cp_sharded_tensor`` with ``cp_group=None``
   gather over the default (WORLD) group, as NeMo-RL, when torch.distributed is initialised;
   without it (where NeMo-RL raises) they return the tensor as it is;
-* ``sampling_params`` that ask for top-k or top-p filtering raise ``NotImplementedError``
-  (log-probs under a filtered distribution are not implemented);
+* under top-k/top-p filtering (``sampling_params``, ``DistributedLogprobWithSampling``),
+  tied logits at the top-k or top-p boundary are kept or dropped together, where NeMo-RL's
+  sort decides among them; top-p sums fp32 probabilities (NeMo-RL: the logits' dtype); a
+  target filtered out gets log-prob ``-inf`` and no gradient (NeMo-RL: ``-inf``, and the
+  gradient of ``z_target − lse`` at the kept ids); ``B * S`` need not divide by the TP size;
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 The classes exist only so that ``X.apply(...)`` call sites keep working; they are not
@@ -35,7 +38,9 @@ __all__ = [
     "ChunkedDistributedEntropy",
     "ChunkedDistributedGatherLogprob",
     "ChunkedDistributedLogprob",
+    "ChunkedDistributedLogprobWithSampling",
     "DistributedLogprob",
+    "DistributedLogprobWithSampling",
     "_compute_distributed_log_softmax",
     "_compute_distributed_log_softmax_with_grad",
 ]
@@ -107,6 +112,59 @@ class ChunkedDistributedLogprob:
             group=tp_group,
             chunk_size=chunk_size,
         )
+
+
+class DistributedLogprobWithSampling:
+    """Drop-in for NeMo-RL's ``DistributedLogprobWithSampling``: log-probs under the top-k/top-p
+    filtered distribution; see ``top_k``/``top_p`` of :func:`compiled_logprob.token_logprobs`."""
+
+    @staticmethod
+    def apply(
+        vocab_parallel_logits: torch.Tensor,
+        target: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        top_k: int | None,
+        top_p: float,
+        inference_only: bool = False,
+    ) -> torch.Tensor:
+        """fp32 ``[B, S]`` log-probs of ``target`` ``[B, S]`` from ``[B, S, V_local]`` logits,
+        rank r of ``tp_group`` holding ids ``[r * V_local, (r + 1) * V_local)``."""
+        return ChunkedDistributedLogprobWithSampling.apply(
+            vocab_parallel_logits, target, tp_group, top_k, top_p, None, inference_only
+        )
+
+
+class ChunkedDistributedLogprobWithSampling:
+    """Drop-in for NeMo-RL's ``ChunkedDistributedLogprobWithSampling``: the values of
+    :class:`DistributedLogprobWithSampling`, ``chunk_size`` sequence positions at a time."""
+
+    @staticmethod
+    def apply(
+        vocab_parallel_logits: torch.Tensor,
+        target: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        top_k: int | None,
+        top_p: float,
+        chunk_size: int | None,
+        inference_only: bool = False,
+    ) -> torch.Tensor:
+        """fp32 ``[B, S]`` filtered log-probs, as :class:`DistributedLogprobWithSampling`."""
+        rank = 0 if core._group_name(tp_group) is None else tp_group.rank()
+        logits = vocab_parallel_logits.detach() if inference_only else vocab_parallel_logits
+        return core.token_logprobs(
+            logits,
+            target,
+            vocab_start=rank * logits.shape[-1],
+            group=tp_group,
+            chunk_size=chunk_size,
+            **_filter(top_k, top_p),
+        )
+
+
+def _filter(top_k: int | None, top_p: float | None) -> dict:
+    """NeMo-RL's filter settings as :func:`compiled_logprob.token_logprobs` takes them: its
+    ``top_k`` of ``None`` or -1 and ``top_p`` of ``None`` or 1.0 filter nothing."""
+    return {"top_k": None if top_k == -1 else top_k, "top_p": 1.0 if top_p is None else top_p}
 
 
 def _compute_distributed_log_softmax(
@@ -336,20 +394,13 @@ def allgather_cp_sharded_tensor(
     return AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
 
 
-def _check_unfiltered(sampling_params: object | None) -> None:
-    """``sampling_params`` (NeMo-RL's ``TrainingSamplingParams``, or ``None``) must ask for no
-    top-k/top-p filtering: log-probs under a filtered distribution are not implemented. Its
-    ``temperature`` is not read, as NeMo-RL's functions here do not read it either."""
+def _sampling_filter(sampling_params: object | None) -> dict:
+    """The ``top_k``/``top_p`` of ``sampling_params`` (NeMo-RL's ``TrainingSamplingParams``, or
+    ``None``). Its ``temperature`` is not read, as NeMo-RL's functions here do not read it:
+    their callers divide the logits by it."""
     if sampling_params is None:
-        return
-    top_k = getattr(sampling_params, "top_k", None)
-    top_p = getattr(sampling_params, "top_p", 1.0)
-    if (top_k is not None and top_k != -1) or (top_p is not None and top_p != 1.0):
-        raise NotImplementedError(
-            f"compiled_logprob: log-probs under top-k/top-p filtering are not implemented "
-            f"(sampling_params.top_k={top_k!r}, top_p={top_p!r}): pass sampling_params=None, or "
-            "top_k=None or -1 and top_p=1.0, for the full-vocabulary log-probs"
-        )
+        return _filter(None, 1.0)
+    return _filter(getattr(sampling_params, "top_k", None), getattr(sampling_params, "top_p", 1.0))
 
 
 def from_parallel_logits_to_logprobs(
@@ -367,10 +418,8 @@ def from_parallel_logits_to_logprobs(
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of ``[B, S_pad / CP, V_local]`` load-balanced
     logits and the full unshifted ``target`` ``[B, S]`` (``[B, S]``, position t scoring
-    ``target[:, t]``, with ``shift_targets=False``); see
-    :func:`compiled_logprob.context_parallel_logprobs`. ``sampling_params`` must ask for no
-    top-k/top-p filtering."""
-    _check_unfiltered(sampling_params)
+    ``target[:, t]``, with ``shift_targets=False``), under ``sampling_params``' top-k/top-p
+    filtering if any; see :func:`compiled_logprob.context_parallel_logprobs`."""
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
@@ -382,6 +431,7 @@ def from_parallel_logits_to_logprobs(
         cp_group=cp_group,
         chunk_size=chunk_size,
         next_token=shift_targets,
+        **_sampling_filter(sampling_params),
     )
 
 
@@ -402,9 +452,9 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     """fp32 ``[B, unpacked_seqlen - 1]`` next-token log-probs of a packed ``[1, T / CP, V_local]``
     row (THD layout) and its unshifted ``target`` ``[1, T]``, or with ``target_is_pre_rolled``
     this rank's ``[1, T / CP]`` targets, already rolled within each sequence and CP-sharded
-    like the logits; see :func:`compiled_logprob.packed_context_parallel_logprobs`.
-    ``sampling_params`` must ask for no top-k/top-p filtering."""
-    _check_unfiltered(sampling_params)
+    like the logits, under ``sampling_params``' top-k/top-p filtering if any; see
+    :func:`compiled_logprob.packed_context_parallel_logprobs`."""
+    sampling = _sampling_filter(sampling_params)
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
@@ -418,9 +468,10 @@ def from_parallel_logits_to_logprobs_packed_sequences(
             group=group,
             cp_group=cp_group,
             chunk_size=chunk_size,
+            **sampling,
         )
     local_fn = context_parallel._logits_logprobs(
-        vocab_parallel_logits, target, start, group, chunk_size, None
+        vocab_parallel_logits, target, start, group, chunk_size, None, **sampling
     )
     return context_parallel._packed_cp_logprobs(
         local_fn,
@@ -452,9 +503,8 @@ def dtensor_from_parallel_logits_to_logprobs(
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of local ``[B, S / CP, V_local]`` logits (``[B, S]``
     with ``shift_targets=False``); ``target`` is a tensor (no CP), or a DTensor sharded over mesh
-    axis ``"cp"`` in ``seq_index`` order; see :func:`compiled_logprob.dtensor_logprobs`.
-    ``sampling_params`` must ask for no top-k/top-p filtering."""
-    _check_unfiltered(sampling_params)
+    axis ``"cp"`` in ``seq_index`` order, under ``sampling_params``' top-k/top-p filtering if
+    any; see :func:`compiled_logprob.dtensor_logprobs`."""
     vocab_parallel_logits, start = _this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
@@ -466,6 +516,7 @@ def dtensor_from_parallel_logits_to_logprobs(
         seq_index,
         chunk_size,
         next_token=shift_targets,
+        **_sampling_filter(sampling_params),
     )
 
 
@@ -477,9 +528,8 @@ def get_logprobs_from_vocab_parallel_logits(
     sampling_params: object | None = None,
 ) -> torch.Tensor:
     """fp32 ``[B, S - 1]`` next-token log-probs of DTensor logits sharded on the vocabulary over
-    mesh axis ``"tp"``; see :func:`compiled_logprob.dtensor_logprobs`. ``sampling_params``
-    must ask for no top-k/top-p filtering."""
-    _check_unfiltered(sampling_params)
+    mesh axis ``"tp"``, under ``sampling_params``' top-k/top-p filtering if any; see
+    :func:`compiled_logprob.dtensor_logprobs`."""
     if not isinstance(vocab_parallel_logits, dtensor.DTensor):
         raise TypeError(
             f"vocab_parallel_logits must be a DTensor, got {type(vocab_parallel_logits).__name__}; "
@@ -491,7 +541,11 @@ def get_logprobs_from_vocab_parallel_logits(
             f"seq_index is given but the logits' device mesh (axes {names}) has no 'cp' axis"
         )
     return dtensor.dtensor_logprobs(
-        vocab_parallel_logits, input_ids, seq_index=seq_index, chunk_size=chunk_size
+        vocab_parallel_logits,
+        input_ids,
+        seq_index=seq_index,
+        chunk_size=chunk_size,
+        **_sampling_filter(sampling_params),
     )
 
 
@@ -512,8 +566,7 @@ def get_next_token_logprobs_from_logits(
     to :func:`get_logprobs_from_vocab_parallel_logits`; unsharded ``[B, S, V]`` logits to
     :func:`compiled_logprob.context_parallel_logprobs`. ``chunk_size`` bounds the eager
     temporaries on every path (NeMo-RL uses it on the first only; the values are the same).
-    ``sampling_params`` must ask for no top-k/top-p filtering."""
-    _check_unfiltered(sampling_params)
+    ``sampling_params``' top-k/top-p filtering applies on every path."""
     if vocab_parallel_group is not None:
         if vocab_parallel_rank is None:
             raise ValueError(
@@ -531,11 +584,12 @@ def get_next_token_logprobs_from_logits(
             vocab_parallel_group,
             cp_group=context_parallel_group,
             chunk_size=chunk_size,
+            sampling_params=sampling_params,
         )
     if isinstance(next_token_logits, dtensor.DTensor):
         return get_logprobs_from_vocab_parallel_logits(
-            next_token_logits, input_ids, seq_index, chunk_size
+            next_token_logits, input_ids, seq_index, chunk_size, sampling_params
         )
     return context_parallel.context_parallel_logprobs(
-        next_token_logits, input_ids, chunk_size=chunk_size
+        next_token_logits, input_ids, chunk_size=chunk_size, **_sampling_filter(sampling_params)
     )

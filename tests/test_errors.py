@@ -179,34 +179,47 @@ CASES = {
         ValueError,
         ["6 - 0 = 6", "hold 7", "own shard bounds"],
     ),
-    "top_k_filtering": (
-        lambda: cl.from_parallel_logits_to_logprobs(
-            LOGITS, TARGET, 0, 7, None, False, None, None, SamplingParams(top_k=5)
-        ),
-        NotImplementedError,
-        ["top-k/top-p", "top_k=5", "top_p=1.0", "sampling_params=None"],
-    ),
-    "top_p_filtering": (
+    "top_p_zero": (
         lambda: cl.dtensor_from_parallel_logits_to_logprobs(
-            LOGITS, TARGET, 0, 7, None, sampling_params=SamplingParams(top_p=0.9)
+            LOGITS, TARGET, 0, 7, None, sampling_params=SamplingParams(top_p=0.0)
         ),
-        NotImplementedError,
-        ["top_k=None", "top_p=0.9"],
+        ValueError,
+        ["top_p must be in (0, 1]", "got 0.0"],
     ),
-    "top_k_filtering_packed": (
+    "top_p_above_one": (
+        lambda: cl.token_logprobs(LOGITS, TARGET, top_p=1.5),
+        ValueError,
+        ["top_p must be in (0, 1]", "got 1.5"],
+    ),
+    "top_p_not_a_number": (
+        lambda: cl.context_parallel_logprobs(LOGITS, TARGET, top_p="0.9"),
+        TypeError,
+        ["top_p must be a float in (0, 1]", "'0.9'"],
+    ),
+    "top_k_zero": (
+        lambda: cl.from_parallel_logits_to_logprobs(
+            LOGITS, TARGET, 0, 7, None, False, None, None, SamplingParams(top_k=0)
+        ),
+        ValueError,
+        ["top_k must be >= 1, got 0"],
+    ),
+    "top_k_float": (
+        lambda: cl.DistributedLogprobWithSampling.apply(LOGITS, TARGET, None, 2.5, 1.0),
+        TypeError,
+        ["top_k must be an int", "2.5"],
+    ),
+    "top_k_with_entropy": (
+        lambda: cl.token_logprobs(LOGITS, TARGET, top_k=3, return_entropy=True),
+        ValueError,
+        ["return_entropy is not supported with top_k/top_p", "vocab_parallel_entropy"],
+    ),
+    "top_k_shard_not_in_rank_order": (
         lambda: cl.from_parallel_logits_to_logprobs_packed_sequences(
-            LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), 5, 0, 7, None,
+            LOGITS[:1], TARGET[:1], torch.tensor([0, 5]), 5, 3, 10, None,
             sampling_params=SamplingParams(top_k=1, top_p=0.5),
         ),
-        NotImplementedError,
-        ["top_k=1", "top_p=0.5"],
-    ),
-    "top_p_filtering_get_logprobs": (
-        lambda: cl.get_logprobs_from_vocab_parallel_logits(
-            LOGITS, TARGET, sampling_params=SamplingParams(top_p=0.0)
-        ),
-        NotImplementedError,
-        ["top_p=0.0"],
+        ValueError,
+        ["split evenly in rank order", "rank 0 of the group holds [3, 10)", "pad it"],
     ),
     "next_token_logprobs_without_rank": (
         lambda: cl.get_next_token_logprobs_from_logits(

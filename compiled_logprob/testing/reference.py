@@ -21,6 +21,7 @@ __all__ = [
     "SeedChunkedDistributedLogprob",
     "SeedDistributedLogprob",
     "oracle_entropy",
+    "oracle_filtered_log_softmax",
     "oracle_log_softmax",
     "oracle_logprobs",
     "oracle_logsumexp",
@@ -88,6 +89,39 @@ def oracle_topk(
     """float64 ``[..., k]`` top-``k`` log-probs over the full vocabulary and their int64 ids,
     in decreasing order."""
     return oracle_log_softmax(full_logits, temperature).topk(k, dim=-1)
+
+
+def oracle_filtered_log_softmax(
+    full_logits: torch.Tensor,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[..., V]`` log-softmax over the ids that top-k then top-p filtering keeps
+    (``-inf`` elsewhere; gradient only through the kept ids), and top-p's margin ``[...]``.
+
+    Top-k keeps the ids of at least the k-th largest logit; top-p keeps, of those, each id
+    whose strictly more probable ids hold less than ``top_p`` of their mass. The margin is
+    the smallest ``|mass above − top_p|`` over the kept ids' values: a row whose margin is
+    within rounding of 0 may be filtered either way (``inf`` without top-p).
+    """
+    z = _scaled(full_logits, temperature)
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if top_k is not None:
+        keep = z >= z.detach().topk(min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
+    margin = torch.full(z.shape[:-1], float("inf"), dtype=torch.float64)
+    if top_p < 1:
+        with torch.no_grad():
+            probs = torch.softmax(torch.where(keep, z, -torch.inf), dim=-1)
+            ascending, order = torch.where(keep, z, -torch.inf).sort(-1)
+            mass = probs.gather(-1, order).cumsum(-1)
+            # Mass of the ids at most each id's value, hence strictly above it.
+            at_most = mass.gather(-1, torch.searchsorted(ascending, z, right=True) - 1)
+            above = (mass[..., -1:] - at_most).clamp(min=0)
+            keep = keep & (above < top_p)
+            margin = torch.where(probs > 0, (above - top_p).abs(), torch.inf).amin(-1)
+    kept = torch.where(keep, z, -torch.inf)
+    return torch.where(keep, z - torch.logsumexp(kept, -1, keepdim=True), -torch.inf), margin
 
 
 def vocab_bounds(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:

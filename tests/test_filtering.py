@@ -1,0 +1,308 @@
+"""Log-probs under top-k/top-p filtering against the float64 oracle, forward and backward.
+
+Every rank builds the same full logits from one seed and takes its even vocabulary slice
+(filtering needs rank r to hold ``[r · V_local, (r + 1) · V_local)``). The oracle
+(``oracle_filtered_log_softmax``) filters in float64; a row whose top-p decision lies within
+rounding of the boundary (its margin) may be filtered either way, so such rows are left out
+of the comparison (and get no upstream gradient). Half the targets are one of their row's
+three most likely ids, so that most are kept.
+
+Tolerances as in ``test_extras``: ``delta``, the fp32 error of a logsumexp-type value of
+``z``, for the values; for the gradient ``g · (onehot − p) / T`` with ``p`` over the kept
+ids, ``delta · p · |g| / T`` plus the roundings into the gradient's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import strategies as st
+from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp_group
+
+import compiled_logprob as cl
+from compiled_logprob.testing.multiprocess import property_in_lockstep
+from compiled_logprob.testing.reference import oracle_filtered_log_softmax
+from compiled_logprob.testing.sync_check import no_host_syncs
+
+FP32_EPS = torch.finfo(torch.float32).eps
+FP32_TINY = torch.finfo(torch.float32).smallest_normal * FP32_EPS
+# Top-p decisions closer than this to the boundary are rounding's to make.
+MARGIN = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """Logits ``[*lead, seq, width · TP]`` of ``dtype``, ``N(0, scale²)``, seeded."""
+
+    top_k: int | None = 20
+    top_p: float = 1.0
+    lead: tuple[int, ...] = (2,)
+    seq: int = 13
+    width: int = 101  # V_local
+    dtype: str = "fp32"
+    scale: float = 3.0
+    temperature: str | None = None  # 0.7 ("float"), per row [*lead, 1], per position
+    chunk: int | None = None
+    ids: int = 0  # K > 0: [..., S, K] targets
+    ignore: bool = False
+    special: str | None = None  # "inf_shard" | "nan_row" | "ties"
+    api: str = "token_logprobs"  # or "DistributedLogprobWithSampling" (its Chunked… with chunk)
+    seed: int = 0
+
+    def oracle_top_k(self) -> int | None:
+        return None if self.top_k == -1 else self.top_k  # NeMo-RL's -1: no top-k
+
+
+def _inputs(case: Case, world: int):
+    gen = torch.Generator().manual_seed(case.seed)
+    vocab = case.width * world
+    shape = (*case.lead, case.seq, vocab)
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64) * case.scale
+    if case.special == "ties":  # many equal values, around the boundaries too
+        logits = logits.round()
+    logits = logits.to(DTYPES[case.dtype])
+    rows = logits.view(-1, vocab)
+    # The last rank's whole slice (the last half without TP).
+    inf_width = case.width if world > 1 else vocab // 2
+    if case.special == "inf_shard":
+        rows[::2, vocab - inf_width :] = float("-inf")
+    if case.special == "nan_row":
+        rows[rows.shape[0] // 2, vocab // 2] = float("nan")
+    ids_shape = (*shape[:-1], max(case.ids, 1))
+    top = min(3, vocab)
+    likely = logits.float().nan_to_num(nan=0.0).topk(top, dim=-1).indices
+    pick = likely.gather(-1, torch.randint(0, top, ids_shape, generator=gen))
+    target = torch.where(
+        torch.rand(ids_shape, generator=gen) < 0.5,
+        pick,
+        torch.randint(0, vocab, ids_shape, generator=gen),
+    )
+    if case.special == "inf_shard":
+        target = target % (vocab - inf_width)
+    if case.ignore:
+        target = torch.where(torch.rand(ids_shape, generator=gen) < 0.3, IGNORE, target)
+    target = target if case.ids else target[..., 0]
+    if case.temperature == "float":
+        temperature = 0.7
+    elif case.temperature == "row":
+        temperature = torch.linspace(0.5, 2.0, torch.Size(case.lead).numel()).view(*case.lead, 1)
+    elif case.temperature == "position":
+        temperature = 0.5 + 1.5 * torch.rand((*case.lead, case.seq), generator=gen)
+    else:
+        temperature = 1.0
+    return logits, target, temperature
+
+
+def _ours(case: Case, shard, target, start: int, group, temperature):
+    if case.api == "DistributedLogprobWithSampling":
+        if case.chunk is None:
+            return cl.DistributedLogprobWithSampling.apply(
+                shard, target, group, case.top_k, case.top_p
+            )
+        return cl.ChunkedDistributedLogprobWithSampling.apply(
+            shard, target, group, case.top_k, case.top_p, case.chunk
+        )
+    return cl.token_logprobs(
+        shard,
+        target,
+        vocab_start=start,
+        group=group,
+        chunk_size=case.chunk,
+        ignore_index=IGNORE if case.ignore else None,
+        temperature=temperature,
+        top_k=case.top_k,
+        top_p=case.top_p,
+    )
+
+
+def _oracle(case: Case, full, target, temperature):
+    """float64 log-probs of ``target`` (0 where ignored) and the rows that are settled: top-p
+    margin above :data:`MARGIN`, and no NaN."""
+    log_softmax, margin = oracle_filtered_log_softmax(
+        full, case.oracle_top_k(), case.top_p, temperature
+    )
+    ids = target if case.ids else target.unsqueeze(-1)
+    ignored = ids == IGNORE
+    out = torch.where(ignored, 0.0, log_softmax.gather(-1, torch.where(ignored, 0, ids)))
+    settled = (margin > MARGIN) & ~full.isnan().any(-1)
+    return (out if case.ids else out.squeeze(-1)), settled
+
+
+def _check_case(case: Case, group) -> None:
+    rank, world = _rank_and_size(group)
+    where = f"{case} rank {rank}/{world}"
+    start = rank * case.width
+    logits, target, temperature = _inputs(case, world)
+    full = logits.double()
+    with torch.no_grad():
+        _, settled = _oracle(case, full, target, temperature)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    rows_mask = settled.unsqueeze(-1) if case.ids else settled
+    upstream = torch.randn(target.shape, generator=gen, dtype=torch.float64)
+    upstream = torch.where(rows_mask, upstream, 0.0).float().double()
+
+    shard = logits[..., start : start + case.width].detach().requires_grad_()
+    out = _ours(case, shard, target, start, group, temperature)
+    (grad,) = torch.autograd.grad(out, shard, upstream.float())
+    leaf = full.clone().requires_grad_()
+    ref, _ = _oracle(case, leaf, target, temperature)
+    # The oracle's -inf entries get no gradient (as ours): differentiate the finite ones.
+    (ref_grad,) = torch.autograd.grad(torch.where(ref.isfinite(), ref, 0.0), leaf, upstream)
+
+    assert out.dtype == torch.float32 and out.shape == target.shape, (where, out.shape)
+    if case.special == "nan_row":
+        nan_row = ~full.isnan().any(-1) | (target == IGNORE if not case.ids else False)
+        assert out.isnan().logical_or(nan_row if not case.ids else nan_row.unsqueeze(-1)).all(), (
+            where
+        )
+    z = full / (
+        temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+    )
+    delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
+    mask = rows_mask.expand_as(out)
+    _assert_within(out[mask], ref[mask], delta + FP32_EPS * ref[mask].abs(), f"{where} output")
+
+    with torch.no_grad():
+        log_softmax, _ = oracle_filtered_log_softmax(
+            full, case.oracle_top_k(), case.top_p, temperature
+        )
+        probs = log_softmax.exp()
+        weight = upstream.abs() if not case.ids else upstream.abs().sum(-1)
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.double()
+        else:
+            temperature = torch.tensor(temperature, dtype=torch.float64)
+        info = torch.finfo(grad.dtype)
+        bound = (delta * probs + FP32_TINY) * (weight / temperature).unsqueeze(-1)
+        bound = (
+            bound + (info.eps + 2 * FP32_EPS) * ref_grad.abs() + info.smallest_normal * info.eps / 2
+        )
+    mine = slice(start, start + case.width)
+    finite_rows = ~full.isnan().any(-1)  # a NaN row's gradient is NaN
+    _assert_within(
+        grad[finite_rows],
+        ref_grad[..., mine][finite_rows],
+        bound[..., mine][finite_rows],
+        f"{where} gradient",
+    )
+
+
+def _check_cases(cases: list[Case]) -> None:
+    group = dist.group.WORLD if dist.is_initialized() else None
+    for case in cases:
+        _check_case(case, group)
+
+
+def _run(gloo_pool, world: int, cases: list[Case]) -> None:
+    if world == 1:
+        _check_cases(cases)
+    else:
+        gloo_pool(world).run(_check_cases, cases)
+
+
+# ---------------------------------------------------------------------------------------
+# Tests
+
+FILTERS = [(20, 1.0), (None, 0.9), (50, 0.7), (1, 1.0), (None, 0.2), (5, 0.999)]
+
+
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_filters(gloo_pool, world):
+    """Top-k alone, top-p alone and both; k = 1 (greedy); B·S not divisible by TP (26 rows)."""
+    cases = [Case(top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(FILTERS)]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_dtypes_scales_and_edges(gloo_pool, world):
+    """bf16/fp16, x1000 logits, ties at the boundaries, whole -inf slices, a NaN row, k > V."""
+    cases = [
+        Case(top_k=10, top_p=0.8, dtype="bf16", seed=10),
+        Case(top_k=None, top_p=0.95, dtype="fp16", seed=11),
+        Case(top_k=5, top_p=0.5, scale=1000.0, seed=12),
+        Case(top_k=7, top_p=0.9, special="ties", seed=13),
+        Case(top_k=None, top_p=0.6, special="ties", dtype="bf16", seed=14),
+        Case(top_k=30, top_p=0.9, special="inf_shard", seed=15),
+        Case(top_k=None, top_p=0.9, special="nan_row", seed=16),
+        Case(top_k=100_000, top_p=1.0, seed=17),  # k beyond V filters nothing
+        Case(top_k=3, top_p=0.9, lead=(), seq=1, width=7, seed=18),  # [1, V], tiny V
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_options(gloo_pool, world):
+    """Temperature (float, per row, per position), chunks, K ids, ignore_index, drop-ins."""
+    cases = [
+        Case(top_k=None, top_p=0.8, temperature="float", seed=20),
+        Case(top_k=15, top_p=0.9, temperature="row", seed=21),
+        Case(top_k=None, top_p=0.7, temperature="position", dtype="bf16", seed=22),
+        Case(top_k=20, top_p=0.9, chunk=4, seed=23),
+        Case(top_k=None, top_p=0.9, chunk=20, ignore=True, seed=24),
+        Case(top_k=10, top_p=0.95, ids=3, ignore=True, seed=25),
+        Case(top_k=20, top_p=0.8, api="DistributedLogprobWithSampling", seed=26),
+        Case(top_k=None, top_p=0.8, chunk=5, api="DistributedLogprobWithSampling", seed=27),
+        Case(top_k=-1, top_p=0.8, api="DistributedLogprobWithSampling", seed=28),
+    ]
+    _run(gloo_pool, world, cases)
+
+
+@st.composite
+def _cases(draw, world: int) -> tuple[Case, int]:
+    tp = draw(st.integers(1, world))
+    seq = draw(st.integers(1, 9))
+    ids = draw(st.sampled_from([0, 0, 2]))
+    case = Case(
+        top_k=draw(st.none() | st.integers(1, 40)),
+        top_p=draw(st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.1])),
+        lead=draw(st.sampled_from([(), (1,), (3,), (2, 2)])),
+        seq=seq,
+        width=draw(st.integers(1, 60)),
+        dtype=draw(st.sampled_from(sorted(DTYPES))),
+        scale=draw(st.sampled_from([1e-3, 1.0, 3.0, 30.0, 1000.0])),
+        temperature=draw(st.sampled_from([None, "float", "row", "position"])),
+        chunk=draw(st.none() | st.integers(1, seq + 2)),
+        ids=ids,
+        ignore=draw(st.booleans()),
+        special=draw(st.sampled_from([None, "ties", "inf_shard"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return case, tp
+
+
+def _check_property(max_examples: int) -> None:
+    property_in_lockstep(
+        _cases(dist.get_world_size()),
+        lambda drawn: _check_case(drawn[0], _tp_group(drawn[1])),
+        max_examples=max_examples,
+    )
+
+
+def test_property(gloo_pool):
+    """Hypothesis over the filters, shapes, TP size (1-3), dtype, scale, temperature, chunk,
+    K ids and ignore_index, forward and backward, inside the workers."""
+    gloo_pool(3).run(_check_property, 40)
+
+
+def _host_sync_checks() -> None:
+    group = dist.group.WORLD
+    rank, world = _rank_and_size(group)
+    logits = torch.randn(2, 7, 11, requires_grad=True)
+    ids = torch.randint(0, 11 * world, (2, 7), generator=torch.Generator().manual_seed(0))
+    options = {"vocab_start": rank * 11, "group": group, "ignore_index": IGNORE}
+    with no_host_syncs():
+        outs = [
+            cl.token_logprobs(logits, ids, top_k=5, **options),
+            cl.token_logprobs(logits, ids, top_p=0.9, chunk_size=3, temperature=0.7, **options),
+            cl.token_logprobs(
+                logits, ids, top_k=3, top_p=0.5, temperature=torch.rand(2, 1) + 0.5, **options
+            ),
+        ]
+        sum(torch.where(out.isfinite(), out, 0.0).sum() for out in outs).backward()
+
+
+def test_no_host_syncs(gloo_pool):
+    gloo_pool(2).run(_host_sync_checks)
