@@ -149,6 +149,35 @@ def _gather_logits_at_global_indices(logits, target, start, end, group):
     )
 
 
+def _even_shard(logits, group):
+    """``(logits, vocab_start)`` of this shard padded with -inf to ``ceil(V / TP)`` ids: what
+    filtering needs, the ids of rank r at ``[r · width, (r + 1) · width)`` (``vocab_bounds``
+    gives the first ranks the extra ids, so only the last shards grow)."""
+    size, rank = (1, 0) if group is None else (group.size(), group.rank())
+    width = -(-VOCAB // size)
+    padded = torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
+    return padded, rank * width
+
+
+def _token_logprobs_top_k_top_p(logits, target, start, end, group):
+    logits, start = _even_shard(logits, group)
+    return cl.token_logprobs(
+        logits,
+        target,
+        vocab_start=start,
+        group=group,
+        ignore_index=IGNORE,
+        temperature=0.7,
+        top_k=3,
+        top_p=0.9,
+    )
+
+
+def _chunked_distributed_logprob_with_sampling(logits, target, start, end, group):
+    logits, _ = _even_shard(logits, group)
+    return cl.ChunkedDistributedLogprobWithSampling.apply(logits, target, group, -1, 0.8, CHUNK)
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -170,11 +199,22 @@ ENTRY_POINTS = {
         _chunked_distributed_entropy,
         _distributed_vocab_topk,
         _gather_logits_at_global_indices,
+        _token_logprobs_top_k_top_p,
+        _chunked_distributed_logprob_with_sampling,
     )
 }
 # The raw logits at given ids sum the shards' in one all-reduce (its backward is each
-# shard's own: no collective), not the statistics' all-gather.
-FORWARD_COLLECTIVE = {"gather_logits_at_global_indices": "_c10d_functional::all_reduce"}
+# shard's own: no collective), not the statistics' all-gather. Filtering trades the logits
+# for whole rows (all-to-all) and gathers the rows' statistics back.
+FILTERED = {
+    "_c10d_functional::all_to_all_single": 1,
+    "_c10d_functional::all_gather_into_tensor": 1,
+}
+FORWARD_COLLECTIVES = {
+    "gather_logits_at_global_indices": {"_c10d_functional::all_reduce": 1},
+    "token_logprobs_top_k_top_p": FILTERED,
+    "chunked_distributed_logprob_with_sampling": FILTERED,
+}
 # A sharded [B, S, V_local] output depends on every shard: its backward sums over the group.
 SHARDED_OUTPUT = {
     "log_softmax_temperature",
@@ -473,6 +513,7 @@ def _backward_cases():
     temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
     shift = logits.amax(-1)
     log_total = torch.logsumexp(logits, -1) - shift
+    threshold = logits.topk(3, dim=-1).values[..., -1]
     gen = torch.Generator().manual_seed(1)
     grad_log_total, grad_target_logit, grad_entropy, entropy = torch.randn(
         4, *shift.shape, generator=gen
@@ -482,10 +523,10 @@ def _backward_cases():
     for dtype in (torch.float32, torch.bfloat16):
         z = logits.to(dtype)
 
-        def args(target, grad_entropy, temp):
+        def args(target, grad_entropy, temp, threshold=None):
             k = 0 if target is None else 1
             grads = (grad_log_total, grad_target_logit[..., :k], grad_entropy)
-            return (*grads, z, target, temp, shift, log_total, entropy)
+            return (*grads, z, target, temp, shift, log_total, entropy, threshold)
 
         options = dict(vocab_start=0, ignore_index=None, chunk_size=None)
         cases += [
@@ -493,6 +534,28 @@ def _backward_cases():
             (args(targets, None, None), {**options, "vocab_start": 2, "ignore_index": IGNORE}),
             (args(None, None, None), {**options, "chunk_size": 2}),
             (args(targets, grad_entropy, temperature), {**options, "ignore_index": IGNORE}),
+            (args(targets, None, temperature, threshold), {**options, "ignore_index": IGNORE}),
+        ]
+    return cases
+
+
+def _filtered_cases():
+    logits, target = _op_inputs()
+    targets = target.unsqueeze(-1)
+    two_targets = torch.cat([targets, targets.flip(1)], dim=-1)
+    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
+    options = dict(
+        vocab_start=0, group_name=None, ignore_index=None, top_k=3, top_p=1.0, chunk_size=None
+    )
+    top_p = {**options, "top_k": 7, "top_p": 0.8}
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        leaf = logits.to(dtype).requires_grad_()
+        cases += [
+            ((leaf, targets, None), options),
+            ((leaf, two_targets, temperature), {**top_p, "ignore_index": IGNORE}),
+            ((leaf, targets, temperature), {**top_p, "top_k": 2, "chunk_size": 2}),
+            ((leaf, targets, None), {**top_p, "group_name": "fake"}),
         ]
     return cases
 
@@ -503,6 +566,7 @@ OPCHECK_CASES = {
         _ops.vocab_parallel_stats_backward,
         _backward_cases,
     ),
+    "compiled_logprob::filtered_stats": (_ops.filtered_stats, _filtered_cases),
 }
 
 
@@ -626,9 +690,9 @@ def tp_graph_ops(gloo_pool):
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 def test_collectives_per_call(tp_graph_ops, name):
     # The op is decomposed away (chunked or not); top-k candidates travel with the statistics.
-    expected_forward = {
-        FORWARD_COLLECTIVE.get(name, "_c10d_functional::all_gather_into_tensor"): 1
-    }
+    expected_forward = FORWARD_COLLECTIVES.get(
+        name, {"_c10d_functional::all_gather_into_tensor": 1}
+    )
     expected_backward = {"_c10d_functional::all_reduce": 1} if name in SHARDED_OUTPUT else {}
     assert tp_graph_ops[name] == {"forward": expected_forward, "backward": expected_backward}
 

@@ -20,9 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import strategies as st
+from test_context_parallel import BATCH, _layout, _ref_shard, _ref_shard_packed
+from test_errors import SamplingParams
 from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp_group
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compiled_logprob as cl
+from compiled_logprob import context_parallel as cp_api
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import oracle_filtered_log_softmax
 from compiled_logprob.testing.sync_check import no_host_syncs
@@ -306,3 +310,83 @@ def _host_sync_checks() -> None:
 
 def test_no_host_syncs(gloo_pool):
     gloo_pool(2).run(_host_sync_checks)
+
+
+# --- under CP: the functional entry points and the drop-ins' sampling_params -----------------
+
+
+def _check_context_parallel(tp: int, cp: int) -> None:
+    """Plain and packed CP rows (and DTensor logits without CP) against the oracle, forward
+    and backward, every entry point that takes top_k/top_p or sampling_params."""
+    mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    width, seq, top_k, top_p = 23, 13, 8, 0.8
+    lo, hi = tp_rank * width, (tp_rank + 1) * width
+    padded = -(-seq // (2 * cp)) * 2 * cp
+    gen = torch.Generator().manual_seed(7)
+    full = 3 * torch.randn(BATCH, padded, tp * width, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, tp * width, (BATCH, seq), generator=gen)
+    likely = full[:, : seq - 1].argmax(-1)
+    ids[:, 1:] = torch.where(torch.rand(likely.shape, generator=gen) < 0.5, likely, ids[:, 1:])
+    upstream = torch.randn(BATCH, seq - 1, generator=gen, dtype=torch.float64)
+
+    leaf = full.clone().requires_grad_()
+    log_softmax, margin = oracle_filtered_log_softmax(leaf[:, : seq - 1], top_k, top_p)
+    ref = log_softmax.gather(-1, ids[:, 1:, None])[..., 0]
+    upstream = torch.where(margin > MARGIN, upstream, 0.0).float().double()
+    (ref_grad,) = torch.autograd.grad(torch.where(ref.isfinite(), ref, 0.0), leaf, upstream)
+    params = SamplingParams(top_k=top_k, top_p=top_p)
+    filters = {"top_k": top_k, "top_p": top_p}
+    bounds = [(0, padded), (padded, 2 * padded)]
+
+    def packed_layout(x):  # [B, padded, *] -> this rank's [1, 2 · padded / cp, *]
+        return _ref_shard_packed(x.flatten(0, 1), bounds, cp_rank, cp).unsqueeze(0)
+
+    packed_ids = torch.nn.functional.pad(ids, (0, padded - seq))
+    cu = torch.tensor([0, padded, 2 * padded])
+    calls = {
+        "context_parallel_logprobs": (
+            lambda x: cp_api.context_parallel_logprobs(
+                x, ids, vocab_start=lo, group=tp_group, cp_group=cp_group, chunk_size=3, **filters
+            ),
+            _ref_shard(full, cp_rank, cp, 1),
+            lambda g: _ref_shard(g, cp_rank, cp, 1),
+        ),
+        "from_parallel_logits_to_logprobs": (
+            lambda x: cl.from_parallel_logits_to_logprobs(
+                x, ids, lo, hi, tp_group, False, cp_group, None, params
+            ),
+            _ref_shard(full, cp_rank, cp, 1),
+            lambda g: _ref_shard(g, cp_rank, cp, 1),
+        ),
+        "from_parallel_logits_to_logprobs_packed_sequences": (
+            lambda x: cl.from_parallel_logits_to_logprobs_packed_sequences(
+                x, packed_ids.flatten()[None], cu, padded, lo, hi, tp_group, cp_group=cp_group,
+                sampling_params=params,
+            )[:, : seq - 1],
+            packed_layout(full),
+            packed_layout,
+        ),
+    }
+    if cp == 1:
+        calls["get_logprobs_from_vocab_parallel_logits"] = (
+            lambda x: cl.get_logprobs_from_vocab_parallel_logits(
+                DTensor.from_local(x, mesh, [Replicate(), Shard(2)]), ids, sampling_params=params
+            ),
+            full,
+            lambda g: g,
+        )
+    for name, (call, logits, layout) in calls.items():
+        where = f"{name} tp={tp} cp={cp} rank {dist.get_rank()}"
+        shard = logits[..., lo:hi].float().requires_grad_()
+        out = call(shard)
+        (grad,) = torch.autograd.grad(out, shard, upstream.float())
+        settled = (margin > MARGIN).expand_as(out)
+        _assert_within(out[settled], ref[settled], 1e-4 + FP32_EPS * ref[settled].abs(), where)
+        # Every CP rank's loss holds every position: a rank's logits get cp times the oracle's.
+        expected = cp * layout(ref_grad)[..., lo:hi]
+        _assert_within(grad, expected, 1e-5 * (1 + expected.abs()), f"{where} gradient")
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "cp2", "tp2xcp2"])
+def test_context_parallel(gloo_pool, tp, cp):
+    gloo_pool(tp * cp).run(_check_context_parallel, tp, cp)
