@@ -357,30 +357,72 @@ def _size_rank(group_name: str | None) -> tuple[int, int]:
 def _filter_rows(
     x: torch.Tensor, temperature: torch.Tensor | None, top_k: int, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(shift, log_total, threshold)``, each ``[n, 1]``, of whole rows ``x`` ``[n, V]``
+    """``(shift, log_total, threshold)``, each ``[n, 1]``, of whole fp32 rows ``x`` ``[n, V]``
     (any order) with ``temperature`` ``[n, 1]``: keep the ids ``x >= threshold``.
 
     Top-k keeps the values at least the k-th largest (ties included). Top-p then keeps, of
     those, each id whose more probable ids (strictly more: ties go together, whatever order
-    a sort leaves them in) hold less than ``top_p`` of the kept mass: the smallest set of
-    most probable ids that reaches ``top_p``.
+    a sort leaves them in) hold less than ``top_p`` of the kept mass: the fewest most
+    probable ids that reach ``top_p``. Neither sorts the row: top-k selects (block maxima),
+    and top-p looks among the top k, or without a top-k finds its threshold digit by digit.
     """
     shift = _finite_or_zero(x.amax(-1, keepdim=True))
     inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    z = (x - shift) * inverse_t
     threshold = torch.full_like(shift, -_INF)
     if top_k < x.shape[-1]:
-        threshold = x.topk(top_k, dim=-1).values[..., -1:]
-    if top_p < 1.0:
-        ordered = torch.where(x < threshold, -_INF, x).sort(-1, descending=True).values
-        probs = torch.softmax((ordered - shift) * inverse_t, dim=-1)
-        more_probable = probs.cumsum(-1) - probs
-        # The first id always counts (its mass above is 0); the clamp also keeps a NaN row
-        # (whose comparisons are all false) in range.
-        count = (more_probable < top_p).sum(-1, keepdim=True).clamp(min=1)
-        threshold = torch.maximum(threshold, ordered.gather(-1, count - 1))
-    z = (x - shift) * inverse_t
+        top, _, _ = local_topk(x, top_k)  # decreasing
+        threshold = top[..., -1:]
+        if top_p < 1.0:
+            # Normalised over every id of at least the k-th value (its ties beyond the k too);
+            # a tied value's first entry has the mass strictly above it.
+            log_kept = torch.logsumexp(torch.where(x < threshold, -_INF, z), -1, keepdim=True)
+            probs = torch.exp((top - shift) * inverse_t - log_kept)
+            count = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True)
+            # The first always counts (mass above it 0); the clamp keeps a NaN row in range.
+            threshold = top.gather(-1, count.clamp(min=1) - 1)
+    elif top_p < 1.0:
+        threshold = _nucleus_threshold(x, torch.softmax(z, dim=-1), top_p)
     log_total = torch.logsumexp(torch.where(x < threshold, -_INF, z), dim=-1, keepdim=True)
     return shift, log_total, threshold
+
+
+_SIGN = 1 << 31
+_DIGIT_BITS = 8
+
+
+def _nucleus_threshold(x: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest value ``v`` of each row of fp32 ``x`` ``[n, V]`` whose strictly larger
+    values hold less than ``top_p`` of ``probs``, ``[n, 1]``, without a sort.
+
+    A radix select: the values' bits, as order-preserving unsigned keys, are fixed 8 at a
+    time. Among the keys that share the digits fixed so far, each of the 256 next digits
+    gets its mass (one scatter-add); the mass above a digit is what lies above the prefix
+    plus that of the larger digits. The threshold's digit is the smallest non-empty one whose
+    mass above is below ``top_p`` (a smaller one's values all have at least ``top_p`` above
+    them), so four passes give the exact value.
+    """
+    bits = x.view(torch.int32).long()
+    # Non-negative floats order as their bits; negative ones in reverse: -1 - key inverts.
+    key = torch.where(bits >= 0, bits + _SIGN, -1 - bits)
+    prefix = torch.zeros_like(key[..., :1])
+    above = torch.zeros_like(probs[..., :1])
+    digits = torch.arange(1 << _DIGIT_BITS, device=x.device)
+    for low in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        high = low + _DIGIT_BITS
+        inside = (key >> high) == (prefix >> high)
+        digit = (key >> low) & ((1 << _DIGIT_BITS) - 1)
+        bins = probs.new_zeros(*probs.shape[:-1], 1 << _DIGIT_BITS)
+        mass = bins.scatter_add(-1, digit, torch.where(inside, probs, 0.0))
+        filled = bins.scatter_add(-1, digit, inside.to(probs.dtype)) > 0
+        mass_above = above + (mass.flip(-1).cumsum(-1).flip(-1) - mass)
+        # NaN rows have no such digit: 255 keeps the index in range.
+        chosen = torch.where(filled & (mass_above < top_p), digits, 1 << _DIGIT_BITS)
+        chosen = chosen.amin(-1, keepdim=True).clamp(max=(1 << _DIGIT_BITS) - 1)
+        above = mass_above.gather(-1, chosen)
+        prefix = prefix | (chosen << low)
+    bits = torch.where(prefix >= _SIGN, prefix - _SIGN, -1 - prefix)
+    return bits.int().view(torch.float32)
 
 
 def gather_ranks(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:

@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_context_parallel import BATCH, _layout, _ref_shard, _ref_shard_packed
 from test_errors import SamplingParams
@@ -26,6 +27,7 @@ from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compiled_logprob as cl
+from compiled_logprob import _math
 from compiled_logprob import context_parallel as cp_api
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import oracle_filtered_log_softmax
@@ -252,6 +254,36 @@ def test_options(gloo_pool, world):
         Case(top_k=-1, top_p=0.8, api="DistributedLogprobWithSampling", seed=28),
     ]
     _run(gloo_pool, world, cases)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    vocab=st.integers(1, 400),
+    top_p=st.floats(0.01, 0.99),
+    special=st.sampled_from([None, "ties", "-inf", "negative", "signed zeros"]),
+    seed=st.integers(0, 2**16),
+)
+def test_nucleus_threshold_is_the_sorts(vocab, top_p, special, seed):
+    """The radix select's threshold equals the one read off the sorted row (mass strictly
+    above below ``top_p``), for ties, -inf, negative-only rows and both zeros."""
+    x = 3 * torch.randn(4, vocab, generator=torch.Generator().manual_seed(seed))
+    if special == "ties":
+        x = x.round()
+    elif special == "-inf":
+        x[:, ::2] = float("-inf")
+        x[0, :] = float("-inf")
+        x[0, 0] = -2.0
+    elif special == "negative":
+        x = -x.abs() - 5
+    elif special == "signed zeros":
+        x = torch.where(x.abs() < 1, 0.0, x) * torch.where(torch.rand(x.shape) < 0.5, -1.0, 1.0)
+    ordered = x.double().sort(-1, descending=True).values
+    probs = torch.softmax(ordered, -1)
+    above = probs.cumsum(-1) - probs
+    assume(((above - top_p).abs() > 1e-5).all())  # a rounding's breadth from the boundary
+    count = (above < top_p).sum(-1, keepdim=True)
+    expected = ordered.gather(-1, count - 1).float()
+    assert torch.equal(_math._nucleus_threshold(x, torch.softmax(x, -1), top_p), expected)
 
 
 @st.composite

@@ -20,6 +20,7 @@ import torch.distributed as dist
 __all__ = [
     "SeedChunkedDistributedLogprob",
     "SeedDistributedLogprob",
+    "SeedLogprobWithSampling",
     "oracle_entropy",
     "oracle_filtered_log_softmax",
     "oracle_log_softmax",
@@ -209,3 +210,37 @@ class SeedChunkedDistributedLogprob(torch.autograd.Function):
             )
             grad[:, rows] = chosen.float().sub_(softmax).mul_(grad_output[:, rows].unsqueeze(-1))
         return grad, None, None, None, None, None, None
+
+
+class SeedLogprobWithSampling(torch.autograd.Function):
+    """The seed algorithm of filtered log-probs (NeMo-RL's ``DistributedLogprobWithSampling``)
+    on an unsharded vocabulary, where its all-to-all is the identity: vLLM's sort-based top-k
+    and top-p filter (``-inf`` at the dropped ids; top-p's softmax and cumsum in the logits'
+    dtype; among tied ids the sort decides), the fp32 log-softmax of the filtered logits, a
+    gather; saves the fp32 softmax and the keep mask for backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, top_k, top_p, inference_only=False):
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        if top_p < 1:
+            ordered, order = logits.sort(-1)
+            if top_k is not None:
+                ordered = ordered.masked_fill(ordered < ordered[..., -top_k:][..., :1], -torch.inf)
+            kept = ordered.softmax(-1).cumsum(-1) > 1 - top_p
+            kept[..., -1] = True
+            kept &= ordered > -torch.inf
+            keep = kept.scatter(-1, order, kept)
+        elif top_k is not None:
+            keep = logits >= logits.topk(top_k, dim=-1).values[..., -1:]
+        log_probs = torch.log_softmax(logits.masked_fill(~keep, -torch.inf).float(), dim=-1)
+        picked = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        if not inference_only:
+            ctx.save_for_backward(log_probs.exp(), target, keep)
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target, keep = ctx.saved_tensors
+        chosen = torch.nn.functional.one_hot(target, num_classes=softmax.shape[-1])
+        grad = chosen.float().sub_(softmax).mul_(grad_output.unsqueeze(-1)).mul_(keep)
+        return grad, None, None, None, None

@@ -1,0 +1,130 @@
+"""Log-probs under top-k/top-p filtering: the seed algorithm (NeMo-RL's sort-based
+``DistributedLogprobWithSampling``, eager) against ours, eager and compiled, and against
+our plain (unfiltered) compiled pass; fp32 and bf16, forward and forward+backward, TP = 1.
+
+    python perf/bench_filtering.py            # [2, 1024, 32000]
+    python perf/bench_filtering.py --quick    # [2, 256, 32000]
+
+Writes ``perf/results/filtering_<device>[_quick].md``: medians of interleaved calls after
+one warm-up each (as ``bench_extras``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import torch
+
+import harness
+from harness import Case, fmt_time, markdown_table
+
+import compiled_logprob as cl
+from compiled_logprob.testing.reference import SeedLogprobWithSampling
+
+FILTERS = {"top_k=50": (50, 1.0), "top_p=0.9": (None, 0.9), "top_k=50, top_p=0.9": (50, 0.9)}
+
+
+def _plain(logits, target):
+    return cl.token_logprobs(logits, target)
+
+
+# One function per filter (each compiles to its own code object, as in bench_extras).
+def _top_k(logits, target):
+    return cl.token_logprobs(logits, target, top_k=50)
+
+
+def _top_p(logits, target):
+    return cl.token_logprobs(logits, target, top_p=0.9)
+
+
+def _top_k_top_p(logits, target):
+    return cl.token_logprobs(logits, target, top_k=50, top_p=0.9)
+
+
+OURS = dict(zip(FILTERS, (_top_k, _top_p, _top_k_top_p)))
+
+
+def _finite(fn):
+    """The step's output with its -inf log-probs (targets filtered out) at 0, for backward."""
+    return lambda logits, target: torch.nan_to_num(fn(logits, target), neginf=0.0)
+
+
+def _step(fn, case: Case, logits, target, grad_out):
+    if case.backward:
+        return lambda: torch.autograd.grad(_finite(fn)(logits, target), logits, grad_out)[0]
+    return torch.no_grad()(functools.partial(fn, logits, target))
+
+
+def time_filters(case: Case, *, device: str, repeats: int) -> dict[tuple[str, str], float]:
+    logits, target, grad_out, _, _ = harness.make_inputs(case, 0, device)
+    target = torch.where(torch.rand(target.shape) < 0.5, logits.argmax(-1), target)
+    torch._dynamo.reset()
+    steps = {("plain", "compiled"): _step(torch.compile(_plain, fullgraph=True), case, logits, target, grad_out)}
+    for name, (top_k, top_p) in FILTERS.items():
+        seed = functools.partial(SeedLogprobWithSampling.apply, top_k=top_k, top_p=top_p)
+        steps[name, "seed"] = _step(lambda x, t, s=seed: s(x, t), case, logits, target, grad_out)
+        steps[name, "eager"] = _step(OURS[name], case, logits, target, grad_out)
+        compiled = torch.compile(OURS[name], fullgraph=True)
+        steps[name, "compiled"] = _step(compiled, case, logits, target, grad_out)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    for step in steps.values():
+        step()  # warm-up: compile, allocator, caches
+    for _ in range(repeats):
+        for key, step in steps.items():
+            harness._sync(device)
+            start = time.perf_counter()
+            out = step()
+            harness._sync(device)
+            times[key].append(time.perf_counter() - start)
+            del out
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def table(results) -> str:
+    header = ["case", "filter", "seed ms", "eager ms", "compiled ms", "seed / eager",
+              "seed / compiled", "compiled / plain compiled"]
+    rows = []
+    for case, t in results.items():
+        for name in FILTERS:
+            rows.append([
+                case.label(), name, *(fmt_time(t[name, m]) for m in ("seed", "eager", "compiled")),
+                f"{t[name, 'seed'] / t[name, 'eager']:.1f}×",
+                f"{t[name, 'seed'] / t[name, 'compiled']:.1f}×",
+                f"{t[name, 'compiled'] / t['plain', 'compiled']:.2f}×",
+            ])
+    return markdown_table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    seq = 256 if args.quick else 1024
+    cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
+    results = {}
+    for case in cases:
+        results[case] = time_filters(case, device=args.device, repeats=args.repeats)
+        print(f"  {case.label()} done", flush=True)
+    report = (
+        f"# Filtered log-probs benchmark{' (quick)' if args.quick else ''}\n\n"
+        + harness.machine_header(args.device)
+        + f"- median of {args.repeats} interleaved calls after one warm-up; threads: "
+        f"{args.threads}; times in ms; half the targets are their row's argmax\n"
+        "- seed: `SeedLogprobWithSampling` (NeMo-RL's sort-based algorithm, eager); eager / "
+        "compiled: `token_logprobs(..., top_k=, top_p=)`; plain compiled: "
+        "`token_logprobs` unfiltered, compiled\n\n"
+        + table(results)
+    )
+    harness.write_result("filtering", args.device, args.quick, report)
+
+
+if __name__ == "__main__":
+    main()
