@@ -13,7 +13,12 @@ Custom ops carry all the vocab-parallel math, with ``z = logits / temperature``:
   call is the only communication.
 * ``compiled_logprob::vocab_parallel_stats_backward``: the gradient of the three
   differentiable fp32 outputs, written straight into one gradient buffer of the logits'
-  dtype. No collective.
+  dtype (with a ``threshold``, of the filtered softmax). No collective.
+* ``compiled_logprob::filtered_stats(logits, target, temperature, *, vocab_start,
+  group_name, ignore_index, top_k, top_p, chunk_size) -> (shift, log_total, target_logit,
+  threshold)``: the same statistics over the ids that top-k/top-p filtering keeps
+  (``_math.filtered_stats``): one all-to-all of the logits to whole rows and one all-gather
+  of per-row statistics (per chunk in eager). Its backward is the one above.
 
 Eager kernels walk the sequence in blocks (of at most ``chunk_size`` positions when it is
 given) so that no temporary outgrows a block. Under Inductor both ops decompose into the

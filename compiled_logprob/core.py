@@ -10,6 +10,7 @@ nothing; only the sharded log-softmax, whose every entry depends on every shard,
 one ``[B, S]`` vector in backward. All of it traces whole under
 ``torch.compile(fullgraph=True)``, performs no host synchronisation (so it can be captured
 in CUDA graphs) and needs no ``torch.distributed`` at all when ``group`` is ``None``.
+Top-k/top-p filtering needs whole rows: it adds one all-to-all of the logits.
 """
 
 from __future__ import annotations
