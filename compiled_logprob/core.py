@@ -337,11 +337,12 @@ def token_logprobs(
     _validate_logits(logits, chunk_size)
     vocab_start, ignore_index = _validate_target(logits, target, vocab_start, ignore_index)
     per_position = target.dim() == logits.dim() - 1
+    ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
     filtering = _filter_options(top_k, top_p, logits, vocab_start, group, return_entropy)
     if filtering is not None:
         return _filtered_logprobs(
             logits,
-            target.unsqueeze(-1) if per_position else target,
+            ids,
             *filtering,
             vocab_start=vocab_start,
             group=group,
@@ -351,7 +352,7 @@ def token_logprobs(
         ).view(target.shape)
     _, log_total, target_logit, entropy, _ = _stats(
         logits,
-        target.unsqueeze(-1) if per_position else target,
+        ids,
         vocab_start=vocab_start,
         group=group,
         chunk_size=chunk_size,

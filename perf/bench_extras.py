@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
 
 import torch
 
@@ -78,18 +76,7 @@ def time_variants(case: Case, *, device: str, repeats: int) -> dict[tuple[str, s
         ids = ids4 if name == "k4_ids" else target
         steps[name, "eager"] = _step(fn, case, logits, ids, grad_out)
         steps[name, "compiled"] = _step(torch.compile(fn, fullgraph=True), case, logits, ids, grad_out)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
-    for step in steps.values():
-        step()  # warm-up: compile, allocator, caches
-    for _ in range(repeats):
-        for key, step in steps.items():
-            harness._sync(device)
-            start = time.perf_counter()
-            out = step()
-            harness._sync(device)
-            times[key].append(time.perf_counter() - start)
-            del out
-    return {key: statistics.median(ts) for key, ts in times.items()}
+    return harness.median_interleaved(steps, device=device, repeats=repeats)
 
 
 def table(results: dict[Case, dict[tuple[str, str], float]]) -> str:

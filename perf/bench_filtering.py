@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
-
-import torch
 
 import harness
+import torch
 from harness import Case, fmt_time, markdown_table
 
 import compiled_logprob as cl
@@ -70,18 +67,7 @@ def time_filters(case: Case, *, device: str, repeats: int) -> dict[tuple[str, st
         steps[name, "eager"] = _step(OURS[name], case, logits, target, grad_out)
         compiled = torch.compile(OURS[name], fullgraph=True)
         steps[name, "compiled"] = _step(compiled, case, logits, target, grad_out)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
-    for step in steps.values():
-        step()  # warm-up: compile, allocator, caches
-    for _ in range(repeats):
-        for key, step in steps.items():
-            harness._sync(device)
-            start = time.perf_counter()
-            out = step()
-            harness._sync(device)
-            times[key].append(time.perf_counter() - start)
-            del out
-    return {key: statistics.median(ts) for key, ts in times.items()}
+    return harness.median_interleaved(steps, device=device, repeats=repeats)
 
 
 def table(results) -> str:

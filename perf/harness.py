@@ -175,6 +175,26 @@ def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> C
 # Timing
 
 
+def median_interleaved(
+    steps: dict, *, device: str, repeats: int
+) -> dict[object, float]:
+    """Median seconds per call of each of ``steps`` (``{key: step()}``), after one warm-up
+    call each, timed call by call in turn (interleaved, so that machine noise hits them
+    alike)."""
+    times: dict[object, list[float]] = {key: [] for key in steps}
+    for step in steps.values():
+        step()  # warm-up: compile, allocator, caches
+    for _ in range(repeats):
+        for key, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            out = step()
+            _sync(device)
+            times[key].append(time.perf_counter() - start)
+            del out
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()

@@ -544,9 +544,14 @@ def _filtered_cases():
     targets = target.unsqueeze(-1)
     two_targets = torch.cat([targets, targets.flip(1)], dim=-1)
     temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
-    options = dict(
-        vocab_start=0, group_name=None, ignore_index=None, top_k=3, top_p=1.0, chunk_size=None
-    )
+    options = {
+        "vocab_start": 0,
+        "group_name": None,
+        "ignore_index": None,
+        "top_k": 3,
+        "top_p": 1.0,
+        "chunk_size": None,
+    }
     top_p = {**options, "top_k": 7, "top_p": 0.8}
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
