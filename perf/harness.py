@@ -176,16 +176,18 @@ def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> C
 
 
 def median_interleaved(
-    steps: dict, *, device: str, repeats: int
+    steps: dict, *, device: str, repeats: int, group=None
 ) -> dict[object, float]:
     """Median seconds per call of each of ``steps`` (``{key: step()}``), after one warm-up
     call each, timed call by call in turn (interleaved, so that machine noise hits them
-    alike)."""
+    alike); with a ``group``, its ranks start each call together."""
     times: dict[object, list[float]] = {key: [] for key in steps}
     for step in steps.values():
         step()  # warm-up: compile, allocator, caches
     for _ in range(repeats):
         for key, step in steps.items():
+            if group is not None:
+                dist.barrier(group)
             _sync(device)
             start = time.perf_counter()
             out = step()
@@ -209,22 +211,10 @@ def time_case(
     compiled_cache = {} if compiled_cache is None else compiled_cache
     inputs = make_inputs(case, rank, device)
     steps = {m: make_step(m, case, inputs, group, compiled_cache) for m in methods}
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    for method, step in steps.items():
-        step()  # warm-up: compile, allocator, caches
-    for _ in range(repeats):
-        for method, step in steps.items():
-            if group is not None:
-                dist.barrier(group)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = step()
-            _sync(device)
-            times[method].append(time.perf_counter() - t0)
-            del out
+    medians = median_interleaved(steps, device=device, repeats=repeats, group=group)
     del steps, inputs
     gc.collect()
-    return {m: statistics.median(ts) for m, ts in times.items()}
+    return medians
 
 
 def tp_worker(cases: list[dict], repeats: int, methods=METHODS) -> list[dict[str, float]]:
