@@ -297,6 +297,7 @@ def filtered_stats(
     *,
     top_k: int,
     top_p: float,
+    block_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(shift, log_total, target_logit, threshold)`` of the top-k/top-p filtered softmax of
     ``z``: as :func:`exchange_stats` returns them, over the kept ids ``x >= threshold``
@@ -307,7 +308,9 @@ def filtered_stats(
     (every rank the same width); ``target`` ``[B, S, K]`` global ids. Filtering needs whole
     rows (top-p sorts them), so one all-to-all trades each rank's vocabulary slice of all
     rows for all slices of ``1 / R`` of the rows; each rank filters its rows and one
-    all-gather of ``[B·S / R, 3 + K]`` statistics brings every row's back.
+    all-gather of ``[B·S / R, 3 + K]`` statistics brings every row's back. Eager kernels
+    filter the rows in blocks of about ``block_elements`` entries, so that the selection's
+    temporaries stay in cache.
     """
     batch, seq, width = logits.shape
     rows = batch * seq
@@ -327,7 +330,17 @@ def filtered_stats(
         # [R, n, V_local], rank r's slice of this rank's rows -> [n, V] in vocabulary order.
         whole = traded.view(ranks, per_rank, width).movedim(0, 1).flatten(1)
     scale = None if temperature is None else my_rows(temperature.unsqueeze(-1), 1.0)
-    shift, log_total, threshold = _filter_rows(whole.float(), scale, top_k, top_p)
+    step = max(1, block_elements // vocab) if block_elements else max(per_rank, 1)
+    blocks = [
+        _filter_rows(
+            whole[start : start + step].float(),
+            None if scale is None else scale[start : start + step],
+            top_k,
+            top_p,
+        )
+        for start in range(0, max(per_rank, 1), step)
+    ]
+    shift, log_total, threshold = (torch.cat(parts) for parts in zip(*blocks))
     ids = my_rows(target, 0).clamp(0, vocab - 1)
     picked = whole.gather(-1, ids).float()
     stats = torch.cat([shift, log_total, threshold, picked], dim=-1)  # [n, 3 + K]
@@ -387,42 +400,54 @@ def _filter_rows(
     return shift, log_total, threshold
 
 
-_SIGN = 1 << 31
-_DIGIT_BITS = 8
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+# The radix select's digits, most significant first: 3 passes of at most 2048 bins (a pass
+# costs a scatter-add per entry, its bins a few ops per bin).
+_DIGITS = (11, 11, 10)
+
+
+def _ordered_key(bits: torch.Tensor) -> torch.Tensor:
+    """int32 keys of fp32 bit patterns ``bits`` that order as the values (NaN beyond ±inf):
+    negative floats order in reverse of their bits. Its own inverse."""
+    return torch.where(bits < 0, bits ^ _INT32_MAX, bits)
 
 
 def _nucleus_threshold(x: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The smallest value ``v`` of each row of fp32 ``x`` ``[n, V]`` whose strictly larger
     values hold less than ``top_p`` of ``probs``, ``[n, 1]``, without a sort.
 
-    A radix select: the values' bits, as order-preserving unsigned keys, are fixed 8 at a
-    time. Among the keys that share the digits fixed so far, each of the 256 next digits
-    gets its mass (one scatter-add); the mass above a digit is what lies above the prefix
-    plus that of the larger digits. The threshold's digit is the smallest non-empty one whose
-    mass above is below ``top_p`` (a smaller one's values all have at least ``top_p`` above
-    them), so four passes give the exact value.
+    Equivalently, the largest value with at least ``top_p`` at or above it. A radix select
+    over the values' order-preserving int32 keys: each pass splits the bucket of keys found
+    so far into ``2^digit`` sub-buckets and bins ``probs`` by sub-bucket (one scatter-add,
+    keys outside the bucket clamped to a bin below it or above it); the mass at or above a
+    sub-bucket is a running sum from the top, and the next bucket is the last one whose mass
+    at or above reaches ``top_p``. Three passes fix all 32 bits: the exact value, ties
+    together. Where no bucket reaches ``top_p`` (the mass falls short by rounding) the
+    row's minimum keeps the whole row; a NaN row gets NaN.
     """
-    bits = x.view(torch.int32).long()
-    # Non-negative floats order as their bits; negative ones in reverse: -1 - key inverts.
-    key = torch.where(bits >= 0, bits + _SIGN, -1 - bits)
-    prefix = torch.zeros_like(key[..., :1])
-    above = torch.zeros_like(probs[..., :1])
-    digits = torch.arange(1 << _DIGIT_BITS, device=x.device)
-    for low in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        high = low + _DIGIT_BITS
-        inside = (key >> high) == (prefix >> high)
-        digit = (key >> low) & ((1 << _DIGIT_BITS) - 1)
-        bins = probs.new_zeros(*probs.shape[:-1], 1 << _DIGIT_BITS)
-        mass = bins.scatter_add(-1, digit, torch.where(inside, probs, 0.0))
-        filled = bins.scatter_add(-1, digit, inside.to(probs.dtype)) > 0
-        mass_above = above + (mass.flip(-1).cumsum(-1).flip(-1) - mass)
-        # NaN rows have no such digit: 255 keeps the index in range.
-        chosen = torch.where(filled & (mass_above < top_p), digits, 1 << _DIGIT_BITS)
-        chosen = chosen.amin(-1, keepdim=True).clamp(max=(1 << _DIGIT_BITS) - 1)
-        above = mass_above.gather(-1, chosen)
-        prefix = prefix | (chosen << low)
-    bits = torch.where(prefix >= _SIGN, prefix - _SIGN, -1 - prefix)
-    return bits.int().view(torch.float32)
+    key = _ordered_key(x.view(torch.int32))
+    rows = x.shape[:-1]
+    # The bucket of keys [bucket, bucket + 2^span): int64, so that its bounds never wrap.
+    bucket = torch.full((*rows, 1), _INT32_MIN, dtype=torch.int64, device=x.device)
+    span = 32
+    for digit in _DIGITS:
+        low = span - digit
+        width = 1 << digit
+        first = (bucket >> low) - 1  # sub-bucket index of bin 0: keys below the bucket
+        clamped = key
+        if span < 32:
+            below = (bucket - (1 << low)).clamp(min=_INT32_MIN).int()
+            above = (bucket + (1 << span) + (1 << low) - 1).clamp(max=_INT32_MAX).int()
+            clamped = key.clamp(below, above)
+        bins = ((clamped >> low) - first.int()).long()  # [n, V] in [0, width + 1]
+        mass = probs.new_zeros(*rows, width + 2).scatter_add(-1, bins, probs)
+        at_or_above = mass.flip(-1).cumsum(-1).flip(-1)[..., 1 : width + 1]
+        # Non-increasing along the sub-buckets, even rounded: the last that reaches top_p.
+        reached = (at_or_above >= top_p).sum(-1, keepdim=True)
+        bucket = (first + reached.clamp(min=1)) << low
+        span = low
+    row_min = _ordered_key(x.amin(-1, keepdim=True).view(torch.int32))
+    return _ordered_key(torch.maximum(bucket.int(), row_min)).view(torch.float32)
 
 
 def gather_ranks(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:

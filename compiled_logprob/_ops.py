@@ -321,8 +321,8 @@ def filtered_stats(
     top_p: float,
     chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Whole rows, and top-p's sort of them, are the temporaries here: each block of
-    # chunk_size positions trades and filters its own (two collectives per block).
+    # Each block of chunk_size positions trades its own whole rows (two collectives per
+    # block); the selection then walks them a few rows at a time, its temporaries in cache.
     step = chunk_size or max(logits.shape[1], 1)
     blocks = [
         _math.filtered_stats(
@@ -333,6 +333,7 @@ def filtered_stats(
             ignore_index,
             top_k=top_k,
             top_p=top_p,
+            block_elements=MIN_BLOCK_ELEMENTS,
         )
         for start in range(0, max(logits.shape[1], 1), step)
     ]

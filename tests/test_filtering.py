@@ -286,6 +286,23 @@ def test_nucleus_threshold_is_the_sorts(vocab, top_p, special, seed):
     assert torch.equal(_math._nucleus_threshold(x, torch.softmax(x, -1), top_p), expected)
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(None, 0.8), (7, 0.9), (30, 1.0)])
+def test_eager_row_blocks(top_k, top_p):
+    """Eager kernels filter a few rows at a time: blocks (the last one short) give each row
+    what the whole tensor gives it, bit for bit."""
+    generator = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(2, 13, 101, generator=generator)
+    target = torch.randint(0, 101, (2, 13, 2), generator=generator)
+    temperature = 0.5 + torch.rand(2, 13, generator=generator)
+    options = dict(top_k=top_k or 101, top_p=top_p)
+    whole = _math.filtered_stats(logits, target, temperature, None, None, **options)
+    blocks = _math.filtered_stats(
+        logits, target, temperature, None, None, block_elements=4 * 101, **options
+    )
+    for expected, actual in zip(whole, blocks, strict=True):
+        assert torch.equal(actual, expected)
+
+
 @st.composite
 def _cases(draw, world: int) -> tuple[Case, int]:
     tp = draw(st.integers(1, world))
