@@ -9,7 +9,9 @@ forward+backward, TP = 1.
 Writes ``perf/results/extras_<device>[_quick].md``. Every variant of one (dtype, mode) is
 timed call by call in turn (interleaved, so machine noise hits them alike), after one
 warm-up call each; the table gives medians and each variant's ratio to the plain pass of
-the same path (eager or compiled). The target is ≤ 1.10× for every extra.
+the same path (eager or compiled). The target is ≤ 1.10× for every extra. The table is
+rewritten after every case, so that a run cut short (``--time-budget``: no new case starts
+after that many seconds; a timeout) leaves what it measured.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import time
 
 import torch
 
@@ -98,25 +101,40 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which no new case starts")
     args = parser.parse_args()
+    start = time.monotonic()
     torch.set_num_threads(args.threads)
     seq = 512 if args.quick else 2048
     cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
     results = {}
-    for case in cases:
+
+    def report(status: str) -> str:
+        return (
+            f"# Extras benchmark{' (quick)' if args.quick else ''}\n\n"
+            + harness.machine_header(args.device)
+            + f"- {status}\n"
+            f"- median of {args.repeats} calls after one warm-up, all variants interleaved; "
+            f"threads: {args.threads}; times in ms; ✗: over the 1.10× target\n"
+            "- plain: `token_logprobs(logits, target)`; temperature: `temperature=0.7`; "
+            "entropy: `return_entropy=True` (log-probs + entropy); k4_ids: `target` "
+            "`[B, S, 4]`; topk8: `vocab_parallel_topk(logits, 8)`\n\n"
+            + table(results)
+        )
+
+    for done, case in enumerate(cases):
+        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+            skipped = ", ".join(c.label() for c in cases[done:])
+            harness.write_result(
+                "extras", args.device, args.quick,
+                report(f"cut short by --time-budget {args.time_budget:g} s: not run: {skipped}"),
+            )
+            return
         results[case] = time_variants(case, device=args.device, repeats=args.repeats)
         print(f"  {case.label()} done", flush=True)
-    report = (
-        f"# Extras benchmark{' (quick)' if args.quick else ''}\n\n"
-        + harness.machine_header(args.device)
-        + f"- median of {args.repeats} calls after one warm-up, all variants interleaved; "
-        f"threads: {args.threads}; times in ms; ✗: over the 1.10× target\n"
-        "- plain: `token_logprobs(logits, target)`; temperature: `temperature=0.7`; entropy: "
-        "`return_entropy=True` (log-probs + entropy); k4_ids: `target` `[B, S, 4]`; topk8: "
-        "`vocab_parallel_topk(logits, 8)`\n\n"
-        + table(results)
-    )
-    harness.write_result("extras", args.device, args.quick, report)
+        status = "complete" if done + 1 == len(cases) else "partial: in progress, or interrupted"
+        harness.write_result("extras", args.device, args.quick, report(status), quiet=done + 1 < len(cases))
 
 
 if __name__ == "__main__":
