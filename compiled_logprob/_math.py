@@ -306,11 +306,11 @@ def filtered_stats(
 
     ``logits`` ``[B, S, V_local]`` hold rank r's slice ``[r · V_local, (r + 1) · V_local)``
     (every rank the same width); ``target`` ``[B, S, K]`` global ids. Filtering needs whole
-    rows (top-p sorts them), so one all-to-all trades each rank's vocabulary slice of all
-    rows for all slices of ``1 / R`` of the rows; each rank filters its rows and one
-    all-gather of ``[B·S / R, 3 + K]`` statistics brings every row's back. Eager kernels
-    filter the rows in blocks of about ``block_elements`` entries, so that the selection's
-    temporaries stay in cache.
+    rows (top-k and top-p rank each id against its row), so one all-to-all trades each
+    rank's vocabulary slice of all rows for all slices of ``1 / R`` of the rows; each rank
+    filters its rows and one all-gather of ``[B·S / R, 3 + K]`` statistics brings every
+    row's back. Eager kernels filter the rows in blocks of about ``block_elements``
+    entries, so that the selection's temporaries stay in cache.
     """
     batch, seq, width = logits.shape
     rows = batch * seq
