@@ -330,17 +330,20 @@ def filtered_stats(
         # [R, n, V_local], rank r's slice of this rank's rows -> [n, V] in vocabulary order.
         whole = traded.view(ranks, per_rank, width).movedim(0, 1).flatten(1)
     scale = None if temperature is None else my_rows(temperature.unsqueeze(-1), 1.0)
-    step = max(1, block_elements // vocab) if block_elements else max(per_rank, 1)
-    blocks = [
-        _filter_rows(
-            whole[start : start + step].float(),
-            None if scale is None else scale[start : start + step],
-            top_k,
-            top_p,
-        )
-        for start in range(0, max(per_rank, 1), step)
-    ]
-    shift, log_total, threshold = (torch.cat(parts) for parts in zip(*blocks))
+    if block_elements is None:  # traced: one block, whatever the (symbolic) row count
+        shift, log_total, threshold = _filter_rows(whole.float(), scale, top_k, top_p)
+    else:
+        step = max(1, block_elements // vocab)
+        blocks = [
+            _filter_rows(
+                whole[start : start + step].float(),
+                None if scale is None else scale[start : start + step],
+                top_k,
+                top_p,
+            )
+            for start in range(0, max(per_rank, 1), step)
+        ]
+        shift, log_total, threshold = (torch.cat(parts) for parts in zip(*blocks))
     ids = my_rows(target, 0).clamp(0, vocab - 1)
     picked = whole.gather(-1, ids).float()
     stats = torch.cat([shift, log_total, threshold, picked], dim=-1)  # [n, 3 + K]
