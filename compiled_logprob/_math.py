@@ -382,25 +382,36 @@ def _filter_rows(
     probable ids that reach ``top_p``. Neither sorts the row: top-k selects (block maxima),
     and top-p looks among the top k, or without a top-k finds its threshold digit by digit.
     """
-    shift = _finite_or_zero(x.amax(-1, keepdim=True))
     inverse_t = 1.0 if temperature is None else 1.0 / temperature
-    z = (x - shift) * inverse_t
-    threshold = torch.full_like(shift, -_INF)
-    if top_k < x.shape[-1]:
-        top, _, _ = local_topk(x, top_k)  # decreasing
-        threshold = top[..., -1:]
+    if top_k >= x.shape[-1]:
+        shift = _finite_or_zero(x.amax(-1, keepdim=True))
+        z = (x - shift) * inverse_t
+        threshold = torch.full_like(shift, -_INF)
         if top_p < 1.0:
-            # Normalised over every id of at least the k-th value (its ties beyond the k too);
-            # a tied value's first entry has the mass strictly above it.
-            log_kept = torch.logsumexp(torch.where(x < threshold, -_INF, z), -1, keepdim=True)
-            probs = torch.exp((top - shift) * inverse_t - log_kept)
-            count = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True)
-            # The first always counts (mass above it 0); the clamp keeps a NaN row in range.
-            threshold = top.gather(-1, count.clamp(min=1) - 1)
-    elif top_p < 1.0:
-        threshold = _nucleus_threshold(x, torch.softmax(z, dim=-1), top_p)
-    log_total = torch.logsumexp(torch.where(x < threshold, -_INF, z), dim=-1, keepdim=True)
-    return shift, log_total, threshold
+            threshold = _nucleus_threshold(x, torch.softmax(z, dim=-1), top_p)
+        log_total = torch.logsumexp(torch.where(x < threshold, -_INF, z), -1, keepdim=True)
+        return shift, log_total, threshold
+    # Every kept id is one of the top k or tied with the k-th value: the masses come from
+    # the k values and a count of those ties, with no exponential over the row.
+    top, _, row_max = local_topk(x, top_k)  # decreasing
+    shift = _finite_or_zero(row_max)
+    top_z = (top - shift) * inverse_t
+    kth = top[..., -1:]
+    beyond = (x >= kth).sum(-1, keepdim=True) - top_k  # ties of the k-th outside the k
+    log_ties = torch.where(beyond > 0, torch.log(beyond) + top_z[..., -1:], -_INF)
+
+    def log_mass(threshold: torch.Tensor) -> torch.Tensor:  # log Σ exp(z) over x >= threshold
+        listed = torch.logsumexp(torch.where(top < threshold, -_INF, top_z), -1, keepdim=True)
+        return torch.logaddexp(listed, torch.where(threshold == kth, log_ties, -_INF))
+
+    threshold = kth
+    if top_p < 1.0:
+        # A tied value's first entry has the mass strictly above it.
+        probs = torch.exp(top_z - log_mass(kth))
+        count = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True)
+        # The first always counts (mass above it 0); the clamp keeps a NaN row in range.
+        threshold = top.gather(-1, count.clamp(min=1) - 1)
+    return shift, log_mass(threshold), threshold
 
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
