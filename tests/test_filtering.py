@@ -294,7 +294,7 @@ def test_eager_row_blocks(top_k, top_p):
     logits = 3 * torch.randn(2, 13, 101, generator=generator)
     target = torch.randint(0, 101, (2, 13, 2), generator=generator)
     temperature = 0.5 + torch.rand(2, 13, generator=generator)
-    options = dict(top_k=top_k or 101, top_p=top_p)
+    options = {"top_k": top_k or 101, "top_p": top_p}
     whole = _math.filtered_stats(logits, target, temperature, None, None, **options)
     blocks = _math.filtered_stats(
         logits, target, temperature, None, None, block_elements=4 * 101, **options
