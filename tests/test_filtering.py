@@ -224,7 +224,8 @@ def test_filters(gloo_pool, world):
 
 @pytest.mark.parametrize("world", (1, 2, 3))
 def test_dtypes_scales_and_edges(gloo_pool, world):
-    """bf16/fp16, x1000 logits, ties at the boundaries, whole -inf slices, a NaN row, k > V."""
+    """bf16/fp16, x1000 logits, ties at the boundaries, whole -inf slices, a NaN row, k > V,
+    V >= 64·k (top-k from block maxima)."""
     cases = [
         Case(top_k=10, top_p=0.8, dtype="bf16", seed=10),
         Case(top_k=None, top_p=0.95, dtype="fp16", seed=11),
@@ -235,6 +236,9 @@ def test_dtypes_scales_and_edges(gloo_pool, world):
         Case(top_k=None, top_p=0.9, special="nan_row", seed=16),
         Case(top_k=100_000, top_p=1.0, seed=17),  # k beyond V filters nothing
         Case(top_k=3, top_p=0.9, lead=(), seq=1, width=7, seed=18),  # [1, V], tiny V
+        # V >= 64·k: the block-maxima top-k, ties of the k-th value beyond the k.
+        Case(top_k=6, width=500, special="ties", seed=19),
+        Case(top_k=6, top_p=0.9, width=500, special="ties", seed=29),
     ]
     _run(gloo_pool, world, cases)
 
