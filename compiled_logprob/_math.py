@@ -47,6 +47,9 @@ _PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 # Entries per block of local_topk's block maxima: measured fastest of 8-64 on CPU, eager and
 # compiled (fewer candidates to select from, k · 16, against more maxima, V / 16).
 TOPK_BLOCK = 16
+# Rows per block of the eager filtering kernels, at least: fewer pay more in per-op overhead
+# than their smaller temporaries save (measured on CPU, V = 32000 and 152064).
+MIN_FILTER_ROWS = 8
 _LN_2 = math.log(2.0)
 _LOG2_E = 1.0 / _LN_2
 # A floor for base-2 exponents: 2^c is 0 in fp32 below c = -150 already.
@@ -310,7 +313,8 @@ def filtered_stats(
     rank's vocabulary slice of all rows for all slices of ``1 / R`` of the rows; each rank
     filters its rows and one all-gather of ``[B·S / R, 3 + K]`` statistics brings every
     row's back. Eager kernels filter the rows in blocks of about ``block_elements``
-    entries, so that the selection's temporaries stay in cache.
+    entries (at least :data:`MIN_FILTER_ROWS` rows), so that the selection's temporaries
+    stay in cache.
     """
     batch, seq, width = logits.shape
     rows = batch * seq
@@ -333,7 +337,7 @@ def filtered_stats(
     if block_elements is None:  # traced: one block, whatever the (symbolic) row count
         shift, log_total, threshold = _filter_rows(whole.float(), scale, top_k, top_p)
     else:
-        step = max(1, block_elements // vocab)
+        step = max(MIN_FILTER_ROWS, block_elements // vocab)
         blocks = [
             _filter_rows(
                 whole[start : start + step].float(),
