@@ -17,7 +17,10 @@
 # log of the run (gpu_sh.log).
 #
 # Works on a bare machine with the image's torch: nothing is installed, PYTHONPATH points at
-# the repository root (subprocesses included). matplotlib is optional: without it the PNG
+# the repository root (subprocesses included). The lent H200's image holds torch 2.11, older
+# than the package supports: COMPILED_LOGPROB_ALLOW_OLD_TORCH=1 lets it import there with a
+# warning (what fails on 2.11 is multi-rank and DTensor, which nothing here runs on CUDA; the
+# results' headers name the torch they ran on). matplotlib is optional: without it the PNG
 # is skipped and the tables are still written. PYTHON picks the interpreter (default: python,
 # else python3).
 set -uo pipefail
@@ -28,6 +31,7 @@ fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export COMPILED_LOGPROB_ALLOW_OLD_TORCH=${COMPILED_LOGPROB_ALLOW_OLD_TORCH:-1}
 
 DEVICE=cuda
 QUICK=()

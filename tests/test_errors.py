@@ -5,6 +5,7 @@ input is not an error."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -453,3 +454,13 @@ def test_old_torch_is_refused_at_import():
     assert result.returncode != 0
     assert "ImportError: compiled_logprob needs torch >= 2.12, found 2.11.0" in result.stderr
     assert "pip install 'torch>=2.12'" in result.stderr
+
+
+def test_old_torch_is_allowed_with_a_warning_on_request():
+    """``COMPILED_LOGPROB_ALLOW_OLD_TORCH=1`` (for measuring on an image with an older torch)
+    imports with a warning that names the version, instead of refusing."""
+    program = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
+    env = {**os.environ, "COMPILED_LOGPROB_ALLOW_OLD_TORCH": "1"}
+    result = subprocess.run([sys.executable, "-W", "always", "-c", program], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "compiled_logprob needs torch >= 2.12, found 2.11.0; running anyway" in result.stderr
