@@ -47,9 +47,6 @@ _PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 # Entries per block of local_topk's block maxima: measured fastest of 8-64 on CPU, eager and
 # compiled (fewer candidates to select from, k · 16, against more maxima, V / 16).
 TOPK_BLOCK = 16
-# Rows per block of the eager filtering kernels, at least: fewer pay more in per-op overhead
-# than their smaller temporaries save (measured on CPU, V = 32000 and 152064).
-MIN_FILTER_ROWS = 8
 _LN_2 = math.log(2.0)
 _LOG2_E = 1.0 / _LN_2
 # A floor for base-2 exponents: 2^c is 0 in fp32 below c = -150 already.
@@ -300,7 +297,7 @@ def filtered_stats(
     *,
     top_k: int,
     top_p: float,
-    block_elements: int | None = None,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(shift, log_total, target_logit, threshold)`` of the top-k/top-p filtered softmax of
     ``z``: as :func:`exchange_stats` returns them, over the kept ids ``x >= threshold``
@@ -312,9 +309,8 @@ def filtered_stats(
     rows (top-k and top-p rank each id against its row), so one all-to-all trades each
     rank's vocabulary slice of all rows for all slices of ``1 / R`` of the rows; each rank
     filters its rows and one all-gather of ``[B·S / R, 3 + K]`` statistics brings every
-    row's back. Eager kernels filter the rows in blocks of about ``block_elements``
-    entries (at least :data:`MIN_FILTER_ROWS` rows), so that the selection's temporaries
-    stay in cache.
+    row's back. Given ``block_rows`` (eager), the rows are filtered that many at a time, so
+    that the selection's temporaries stay in cache.
     """
     batch, seq, width = logits.shape
     rows = batch * seq
@@ -334,18 +330,17 @@ def filtered_stats(
         # [R, n, V_local], rank r's slice of this rank's rows -> [n, V] in vocabulary order.
         whole = traded.view(ranks, per_rank, width).movedim(0, 1).flatten(1)
     scale = None if temperature is None else my_rows(temperature.unsqueeze(-1), 1.0)
-    if block_elements is None:  # traced: one block, whatever the (symbolic) row count
+    if block_rows is None:  # traced: one block, whatever the (symbolic) row count
         shift, log_total, threshold = _filter_rows(whole.float(), scale, top_k, top_p)
     else:
-        step = max(MIN_FILTER_ROWS, block_elements // vocab)
         blocks = [
             _filter_rows(
-                whole[start : start + step].float(),
-                None if scale is None else scale[start : start + step],
+                whole[start : start + block_rows].float(),
+                None if scale is None else scale[start : start + block_rows],
                 top_k,
                 top_p,
             )
-            for start in range(0, max(per_rank, 1), step)
+            for start in range(0, max(per_rank, 1), block_rows)
         ]
         shift, log_total, threshold = (torch.cat(parts) for parts in zip(*blocks))
     ids = my_rows(target, 0).clamp(0, vocab - 1)

@@ -461,6 +461,8 @@ def test_old_torch_is_allowed_with_a_warning_on_request():
     imports with a warning that names the version, instead of refusing."""
     program = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
     env = {**os.environ, "COMPILED_LOGPROB_ALLOW_OLD_TORCH": "1"}
-    result = subprocess.run([sys.executable, "-W", "always", "-c", program], capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [sys.executable, "-W", "always", "-c", program], capture_output=True, text=True, env=env, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert "compiled_logprob needs torch >= 2.12, found 2.11.0; running anyway" in result.stderr

@@ -301,7 +301,7 @@ def test_eager_row_blocks(top_k, top_p):
     options = {"top_k": top_k or 101, "top_p": top_p}
     whole = _math.filtered_stats(logits, target, temperature, None, None, **options)
     blocks = _math.filtered_stats(
-        logits, target, temperature, None, None, block_elements=4 * 101, **options
+        logits, target, temperature, None, None, block_rows=4, **options
     )
     for expected, actual in zip(whole, blocks, strict=True):
         assert torch.equal(actual, expected)
