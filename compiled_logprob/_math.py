@@ -36,11 +36,22 @@ import torch.nn.functional as F
 from compiled_logprob._torch_version import all_gather_single
 
 OWNERSHIP_ERROR = (
-    "compiled_logprob: a target id is not owned by exactly one vocabulary shard: it is "
-    "negative, >= the full vocabulary size, or the ranks' [vocab_start, vocab_end) ranges "
-    "overlap or leave a gap. Clamp or mask such targets (pass ignore_index=... to get a "
-    "log-prob of 0 and no gradient there), and give each rank its own shard bounds."
+    "compiled_logprob: a target id is not owned by exactly one vocabulary shard (negative, "
+    ">= the vocabulary size, or [vocab_start, vocab_end) ranges that overlap or leave a gap). "
+    "Mask it (ignore_index=... gives log-prob 0) or fix the shard bounds."
 )
+
+# CUDA's kernel-side assert refuses a longer message (RuntimeError: "Message length must be
+# smaller than 255"), so a check that reads well on CPU would break every call on a GPU.
+DEVICE_MESSAGE_LIMIT = 254
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async`` (no host sync), with the message's length checked on every
+    device, not only where CUDA would refuse it."""
+    assert len(message) <= DEVICE_MESSAGE_LIMIT, f"over {DEVICE_MESSAGE_LIMIT} characters: {message}"
+    torch._assert_async(condition, message)
+
 
 _INF = float("inf")
 _PROMOTE_TO_FP32 = (torch.float16, torch.bfloat16, torch.float32)
@@ -284,7 +295,7 @@ def exchange_stats(
         ignored = target == ignore_index
         owned_once = owned_once | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
-    torch._assert_async(owned_once.all(), OWNERSHIP_ERROR)
+    assert_async(owned_once.all(), OWNERSHIP_ERROR)
     return shift, log_total, target_logit, entropy, no_ids
 
 
@@ -358,7 +369,7 @@ def filtered_stats(
         ignored = target == ignore_index
         valid = valid | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
-    torch._assert_async(valid.all(), OWNERSHIP_ERROR)
+    assert_async(valid.all(), OWNERSHIP_ERROR)
     return shift, log_total, target_logit, threshold
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiled_logprob import core
+from compiled_logprob import _math, core
 from compiled_logprob._torch_version import all_gather_single
 
 __all__ = [
@@ -188,7 +188,7 @@ def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor)
     if seq_index.device != like.device:
         raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
     natural = torch.arange(full_len, device=seq_index.device)
-    torch._assert_async(
+    _math.assert_async(
         (seq_index.sort().values == natural).all(),
         "seq_index must be a permutation of 0 .. CP size x local length - 1 (each natural "
         "position exactly once)",
@@ -385,14 +385,14 @@ def _check_packed(
 def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
     """Checked on the device (no host sync): the values of ``cu_seqlens_padded``."""
     well_formed = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
-    torch._assert_async(
+    _math.assert_async(
         well_formed,
         # No T in the message: formatting a dynamic size would specialise the graph on it.
         "cu_seqlens_padded must start at 0, never decrease and end at T, the packed row's "
         "length (input_ids.shape[-1])",
     )
     if size > 1:
-        torch._assert_async(
+        _math.assert_async(
             (cu % (2 * size) == 0).all(),
             f"every padded sequence length in cu_seqlens_padded must be a multiple of "
             f"2 * cp_size = {2 * size}, so that it splits into equal load-balanced chunks",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from compiled_logprob import _ops
+from compiled_logprob import _math, _ops
 
 __all__ = [
     "token_logprobs",
@@ -194,7 +194,7 @@ def _temperature_rows(
                 f"positions {tuple(rows_shape)}: pass a float, or a tensor of shape [..., S] "
                 "or [..., 1] (one temperature per row)"
             ) from None
-        torch._assert_async(
+        _math.assert_async(
             ((rows >= low) & (rows <= high)).all(),
             f"temperature must be a finite fp32 number >= {low:.3g} everywhere",
         )

@@ -335,7 +335,7 @@ def gather_logits_at_global_indices(
     total = local.detach()
     if group_name is not None:
         total = funcol.wait_tensor(funcol.all_reduce(total, "sum", group_name))
-    torch._assert_async((total[..., global_indices.shape[-1] :] == 1).all(), _math.OWNERSHIP_ERROR)
+    _math.assert_async((total[..., global_indices.shape[-1] :] == 1).all(), _math.OWNERSHIP_ERROR)
     # The sum's value, with each rank's gradient flowing to its own ids only (as in NeMo-RL,
     # whose all-reduce is not differentiated).
     picked = local + (total - local.detach())

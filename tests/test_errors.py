@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import compiled_logprob as cl
-from compiled_logprob import _torch_version
+from compiled_logprob import _math, _torch_version
 
 LOGITS = torch.randn(2, 5, 7)
 TARGET = torch.randint(0, 7, (2, 5))
@@ -466,3 +466,12 @@ def test_old_torch_is_allowed_with_a_warning_on_request():
     )
     assert result.returncode == 0, result.stderr
     assert "compiled_logprob needs torch >= 2.12, found 2.11.0; running anyway" in result.stderr
+
+
+def test_device_side_messages_fit_cuda():
+    """CUDA refuses a ``_assert_async`` message over 254 characters (every call would raise
+    there, valid input included), so the package's checks refuse one on any device."""
+    assert len(_math.OWNERSHIP_ERROR) <= _math.DEVICE_MESSAGE_LIMIT == 254
+    _math.assert_async(torch.tensor(True), "x" * 254)
+    with pytest.raises(AssertionError, match="over 254 characters"):
+        _math.assert_async(torch.tensor(True), "x" * 255)
