@@ -33,17 +33,26 @@ from torch._inductor.decomposition import register_decomposition
 
 from compiled_logprob import _math
 
-# Eager kernels walk the sequence in blocks of at least MIN_BLOCK_ELEMENTS elements (or one
-# row), enough to amortise per-op overhead, and at most BLOCKS_PER_CALL blocks per call (per
-# block-sized temporary: two temporaries share the cache), so that large logits do not pay
-# thousands of per-op thread wake-ups (CPU) or launches (GPU). A block's fp32 temporaries
-# stay under ~1.6% of the logits (bf16) on large inputs.
+# Eager kernels walk the sequence in blocks of at least min_block_elements(device) elements
+# (or one row), enough to amortise per-op overhead, and at most BLOCKS_PER_CALL blocks per
+# call (per block-sized temporary: two temporaries share the cache), so that large logits do
+# not pay thousands of per-op thread wake-ups. On CPU a block's fp32 temporaries stay in
+# cache and under ~1.6% of the logits (bf16) on large inputs. On a GPU an op over a small
+# block ends before the host has launched the next (~10 µs each), so the host would set the
+# pace (~20× slower than the seed on an H200 with CPU-sized blocks): blocks of 2^24 elements
+# take ~40 µs per pass at HBM bandwidth, for a fixed 64 MiB per fp32 temporary.
 BLOCKS_PER_CALL = 256
 MIN_BLOCK_ELEMENTS = 1 << 18
+MIN_BLOCK_ELEMENTS_GPU = 1 << 24
 # The eager filtering kernels select from whole rows (V entries) in blocks of about
-# MIN_BLOCK_ELEMENTS, and at least MIN_FILTER_ROWS rows: fewer rows pay more in per-op
-# overhead than their smaller temporaries save (measured on CPU, V = 32000 and 152064).
+# min_block_elements(device), and at least MIN_FILTER_ROWS rows: fewer rows pay more in
+# per-op overhead than their smaller temporaries save (measured on CPU, V = 32000 and 152064).
 MIN_FILTER_ROWS = 8
+
+
+def min_block_elements(device: torch.device) -> int:
+    """Elements per eager block, at least, on ``device`` (see above)."""
+    return MIN_BLOCK_ELEMENTS if device.type == "cpu" else MIN_BLOCK_ELEMENTS_GPU
 
 
 def _seq_blocks(
@@ -55,7 +64,9 @@ def _seq_blocks(
     batch, seq_len, vocab = logits.shape
     row = max(1, batch * vocab)
     temporaries = max(1, workspace + spare)
-    block_elements = max(MIN_BLOCK_ELEMENTS, row * seq_len // (BLOCKS_PER_CALL * temporaries))
+    block_elements = max(
+        min_block_elements(logits.device), row * seq_len // (BLOCKS_PER_CALL * temporaries)
+    )
     block = max(1, min(seq_len, block_elements // row, chunk_size or seq_len))
     buffers = logits.new_empty(
         (workspace + spare, batch, min(block, seq_len), vocab), dtype=torch.float32
@@ -329,7 +340,7 @@ def filtered_stats(
     # block); the selection then walks them a few rows at a time, its temporaries in cache.
     step = chunk_size or max(logits.shape[1], 1)
     vocab = logits.shape[-1] * _math._size_rank(group_name)[0]
-    block_rows = max(MIN_FILTER_ROWS, MIN_BLOCK_ELEMENTS // vocab)
+    block_rows = max(MIN_FILTER_ROWS, min_block_elements(logits.device) // vocab)
     blocks = [
         _math.filtered_stats(
             logits[:, start : start + step],

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
+from compiled_logprob import _ops
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_log_softmax,
@@ -423,3 +424,21 @@ def test_precision_does_not_degrade_with_logit_magnitude(compiled):
         p = log_softmax.exp()
         bound = 16 * FP32_EPS * (p * (1 - log_softmax) + ref_grad.abs()) + 1e-44
         assert ((grad.double() - ref_grad).abs() <= bound).all(), (shift, scale)
+
+
+@pytest.mark.parametrize(
+    ("device", "shape", "blocks"),
+    [
+        # CPU: blocks sized for the cache, at most BLOCKS_PER_CALL of them.
+        ("cpu", (2, 2048, 32000), 256),
+        ("cpu", (1, 13, 1003), 1),
+        # A GPU (meta stands in: any device but the CPU): 2^24-element blocks, so that each
+        # op outlasts its launch, whatever the number of positions.
+        ("meta", (2, 2048, 32000), 8),
+        ("meta", (2, 8192, 32000), 32),
+    ],
+)
+def test_eager_blocks_follow_the_device(device, shape, blocks):
+    planned = _ops._seq_blocks(torch.empty(shape, device=device), None)
+    assert len(planned) == blocks
+    assert sum(rows.stop - rows.start for rows, _, _ in planned) >= shape[1]
