@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import time
 
 import torch
 
@@ -104,13 +103,11 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no new case starts")
     args = parser.parse_args()
-    start = time.monotonic()
     torch.set_num_threads(args.threads)
     seq = 512 if args.quick else 2048
     cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
-    results = {}
 
-    def report(status: str) -> str:
+    def report(results, status: str) -> str:
         return (
             f"# Extras benchmark{' (quick)' if args.quick else ''}\n\n"
             + harness.machine_header(args.device)
@@ -123,19 +120,10 @@ def main() -> None:
             + table(results)
         )
 
-    for done, case in enumerate(cases):
-        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
-            skipped = ", ".join(c.label() for c in cases[done:])
-            harness.write_result(
-                "extras", args.device, args.quick,
-                report(f"cut short by --time-budget {args.time_budget:g} s: not run: {skipped}"),
-            )
-            return
-        results[case] = time_variants(case, device=args.device, repeats=args.repeats)
-        print(f"  {case.label()} done", flush=True)
-        status = "complete" if done + 1 == len(cases) else "partial: in progress, or interrupted"
-        harness.write_result("extras", args.device, args.quick, report(status), quiet=done + 1 < len(cases))
-
+    harness.measure_cases(
+        cases, functools.partial(time_variants, device=args.device, repeats=args.repeats), report,
+        name="extras", device=args.device, quick=args.quick, time_budget=args.time_budget,
+    )
 
 if __name__ == "__main__":
     main()

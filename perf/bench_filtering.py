@@ -6,7 +6,8 @@ our plain (unfiltered) compiled pass; fp32 and bf16, forward and forward+backwar
     python perf/bench_filtering.py --quick    # [2, 256, 32000]
 
 Writes ``perf/results/filtering_<device>[_quick].md``: medians of interleaved calls after
-one warm-up each (as ``bench_extras``).
+one warm-up each, rewritten after every case (as ``bench_extras``, with its
+``--time-budget``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def _top_k_top_p(logits, target):
 OURS = dict(zip(FILTERS, (_top_k, _top_p, _top_k_top_p)))
 
 
+def _seed(logits, target, *, top_k, top_p):
+    return SeedLogprobWithSampling.apply(logits, target, top_k, top_p)
+
+
 def _finite(fn):
     """The step's output with its -inf log-probs (targets filtered out) at 0, for backward."""
     return lambda logits, target: torch.nan_to_num(fn(logits, target), neginf=0.0)
@@ -58,12 +63,13 @@ def _step(fn, case: Case, logits, target, grad_out):
 
 def time_filters(case: Case, *, device: str, repeats: int) -> dict[tuple[str, str], float]:
     logits, target, grad_out, _, _ = harness.make_inputs(case, 0, device)
-    target = torch.where(torch.rand(target.shape) < 0.5, logits.argmax(-1), target)
+    target = torch.where(torch.rand(target.shape, device=target.device) < 0.5, logits.argmax(-1), target)
     torch._dynamo.reset()
     steps = {("plain", "compiled"): _step(torch.compile(_plain, fullgraph=True), case, logits, target, grad_out)}
     for name, (top_k, top_p) in FILTERS.items():
-        seed = functools.partial(SeedLogprobWithSampling.apply, top_k=top_k, top_p=top_p)
-        steps[name, "seed"] = _step(lambda x, t, s=seed: s(x, t), case, logits, target, grad_out)
+        # Positional: Function.apply takes no keyword arguments before torch 2.12.
+        seed = functools.partial(_seed, top_k=top_k, top_p=top_p)
+        steps[name, "seed"] = _step(seed, case, logits, target, grad_out)
         steps[name, "eager"] = _step(OURS[name], case, logits, target, grad_out)
         compiled = torch.compile(OURS[name], fullgraph=True)
         steps[name, "compiled"] = _step(compiled, case, logits, target, grad_out)
@@ -91,26 +97,30 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which no new case starts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     seq = 256 if args.quick else 1024
     cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
-    results = {}
-    for case in cases:
-        results[case] = time_filters(case, device=args.device, repeats=args.repeats)
-        print(f"  {case.label()} done", flush=True)
-    report = (
-        f"# Filtered log-probs benchmark{' (quick)' if args.quick else ''}\n\n"
-        + harness.machine_header(args.device)
-        + f"- median of {args.repeats} interleaved calls after one warm-up; threads: "
-        f"{args.threads}; times in ms; half the targets are their row's argmax\n"
-        "- seed: `SeedLogprobWithSampling` (NeMo-RL's sort-based algorithm, eager); eager / "
-        "compiled: `token_logprobs(..., top_k=, top_p=)`; plain compiled: "
-        "`token_logprobs` unfiltered, compiled\n\n"
-        + table(results)
-    )
-    harness.write_result("filtering", args.device, args.quick, report)
 
+    def report(results, status: str) -> str:
+        return (
+            f"# Filtered log-probs benchmark{' (quick)' if args.quick else ''}\n\n"
+            + harness.machine_header(args.device)
+            + f"- {status}\n"
+            f"- median of {args.repeats} interleaved calls after one warm-up; threads: "
+            f"{args.threads}; times in ms; half the targets are their row's argmax\n"
+            "- seed: `SeedLogprobWithSampling` (NeMo-RL's sort-based algorithm, eager); eager / "
+            "compiled: `token_logprobs(..., top_k=, top_p=)`; plain compiled: "
+            "`token_logprobs` unfiltered, compiled\n\n"
+            + table(results)
+        )
+
+    harness.measure_cases(
+        cases, functools.partial(time_filters, device=args.device, repeats=args.repeats), report,
+        name="filtering", device=args.device, quick=args.quick, time_budget=args.time_budget,
+    )
 
 if __name__ == "__main__":
     main()

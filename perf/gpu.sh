@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# The TP benchmark on a lent GPU (H200), in one run of at most 7.5 minutes (450 s, kills
+# The TP benchmark on a lent GPU (H200), in one run of at most 8.5 minutes (510 s, kills
 # included, enforced below; on a fresh machine most of it is cold Triton compiles):
 #   the time/memory table on CUDA (torch.cuda.max_memory_allocated, achieved bandwidth vs
 #   ~4.8 TB/s), a CUDA-graph capture of a compiled training step checked against eager,
-#   compile time, and the extras' cost over the plain pass (entropy, top-k, ...: on this
-#   CPU the exp-sum loop is compute-bound, so only a GPU tells whether they come free).
+#   compile time, the extras' cost over the plain pass (entropy, top-k, ...: on this CPU
+#   the exp-sum loop is compute-bound, so only a GPU tells whether they come free), and the
+#   top-k/top-p filtered log-probs against the seed's sort-based algorithm.
 #
 #   perf/gpu.sh                      # on the GPU machine, from anywhere
 #   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU (limits × 3)
 #
-# Every step runs under its own `timeout`, each cut to what is left of the 450 s; a step that
+# Every step runs under its own `timeout`, each cut to what is left of the 510 s; a step that
 # fails or times out is reported and the next one runs, and the exit status is non-zero if
-# any step failed. bench_tp, cuda_graphs and bench_extras rewrite their tables as they go,
-# so a step cut short still leaves what it measured. Results go to perf/results/; when $OUT
-# is set, the files this run wrote there are copied into $OUT after every step, beside the
-# log of the run (gpu_sh.log).
+# any step failed. bench_tp, cuda_graphs, bench_extras and bench_filtering rewrite their
+# tables as they go, so a step cut short still leaves what it measured. Results go to
+# perf/results/; when $OUT is set, the files this run wrote there (7 at most, with the log
+# gpu_sh.log: the device tool brings back 8) are copied into $OUT after every step.
 #
 # Works on a bare machine with the image's torch: nothing is installed, PYTHONPATH points at
 # the repository root (subprocesses included). The lent H200's image holds torch 2.11, older
@@ -45,12 +46,13 @@ done
 
 # Step limits in seconds on CUDA (a CPU dry run gets 3 times as long): every step is cut to
 # what is left of TOTAL_S, SIGKILL grace included. Overridable from the environment.
-TOTAL_S=${TOTAL_S:-450}
+TOTAL_S=${TOTAL_S:-510}
 PREFLIGHT_S=${PREFLIGHT_S:-40}
 BENCH_TP_S=${BENCH_TP_S:-170}  # bench_tp starts no new case after 110 s of them
 CUDA_GRAPHS_S=${CUDA_GRAPHS_S:-90}
 COMPILE_S=${COMPILE_S:-80}
 EXTRAS_S=${EXTRAS_S:-60}       # the fp32 forward case at least (its five compiles)
+FILTERING_S=${FILTERING_S:-60} # likewise (four compiles per case)
 KILL_GRACE_S=10                # SIGKILL this long after a step ignores SIGTERM
 SCALE=1
 [[ "$DEVICE" == cpu ]] && SCALE=3
@@ -163,5 +165,7 @@ if [[ "$DEVICE" == cuda* ]]; then
   run_step compile_check "$COMPILE_S" "$PYTHON" perf/compile_check.py --device "$DEVICE" --quick
 fi
 run_step bench_extras "$EXTRAS_S" "$PYTHON" perf/bench_extras.py --device "$DEVICE" \
+  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
+run_step bench_filtering "$FILTERING_S" "$PYTHON" perf/bench_filtering.py --device "$DEVICE" \
   --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
 finish

@@ -63,6 +63,29 @@ def write_result(name: str, device: str, quick: bool, report: str, *, quiet: boo
     return path
 
 
+def measure_cases(
+    cases: list, measure: Callable, report: Callable[[dict, str], str], *, name: str, device: str,
+    quick: bool, time_budget: float | None = None,
+) -> dict:
+    """``{case: measure(case)}``, the report (``report(results, status)``) rewritten after
+    every case, so that a run cut short (a timeout) leaves what it measured. No new case
+    starts after ``time_budget`` seconds; the report then names the cases not run."""
+    start = time.monotonic()
+    results: dict = {}
+    for done, case in enumerate(cases):
+        if time_budget is not None and time.monotonic() - start > time_budget:
+            skipped = ", ".join(c.label() for c in cases[done:])
+            status = f"cut short by --time-budget {time_budget:g} s: not run: {skipped}"
+            write_result(name, device, quick, report(results, status))
+            return results
+        results[case] = measure(case)
+        print(f"  {case.label()} done", flush=True)
+        last = done + 1 == len(cases)
+        status = "complete" if last else "partial: in progress, or interrupted"
+        write_result(name, device, quick, report(results, status), quiet=not last)
+    return results
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One measured configuration: logits ``[batch, seq, vocab]`` split over ``tp`` ranks."""
