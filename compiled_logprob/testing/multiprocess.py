@@ -148,12 +148,14 @@ def property_in_lockstep(strategy, check: Callable[[Any], None], *, max_examples
 
     Every rank draws the same examples in the same order (derandomised, no database, no
     time-based health checks), and a failure on any rank fails that example on every rank,
-    so that Hypothesis takes the same path everywhere, shrinking included, and the ranks'
-    collectives stay matched.
+    so that Hypothesis takes the same path everywhere and the ranks' collectives stay
+    matched. A failing example is reported as drawn, not shrunk: Hypothesis stops shrinking
+    after a wall-clock limit, which each rank reaches at its own time, and the ranks would
+    then wait in different collectives for ever (seen on a loaded machine).
     """
     import torch
     import torch.distributed as dist
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
 
     def example(drawn) -> None:
         try:
@@ -171,6 +173,8 @@ def property_in_lockstep(strategy, check: Callable[[Any], None], *, max_examples
         database=None,
         max_examples=max_examples,
         deadline=None,
+        phases=(Phase.explicit, Phase.generate),
+        report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
