@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The TP benchmark on a lent GPU (H200), in one run of at most 8.5 minutes (510 s, kills
-# included, enforced below; on a fresh machine most of it is cold Triton compiles):
+# The checks and benchmarks for a lent GPU (H200), in one run of at most 9.5 minutes (570 s,
+# kills included, enforced below; on a fresh machine most of it is cold Triton compiles):
+#   the single-process tests on the device (tests/test_device.py: the CPU tests' oracle
+#   checks, eager and compiled, no synchronising call, an eager CUDA-graph capture),
 #   the time/memory table on CUDA (torch.cuda.max_memory_allocated, achieved bandwidth vs
 #   ~4.8 TB/s), a CUDA-graph capture of a compiled training step checked against eager,
 #   compile time, the extras' cost over the plain pass (entropy, top-k, ...: on this CPU
@@ -10,7 +12,7 @@
 #   perf/gpu.sh                      # on the GPU machine, from anywhere
 #   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU (limits × 3)
 #
-# Every step runs under its own `timeout`, each cut to what is left of the 510 s; a step that
+# Every step runs under its own `timeout`, each cut to what is left of the 570 s; a step that
 # fails or times out is reported and the next one runs, and the exit status is non-zero if
 # any step failed. bench_tp, cuda_graphs, bench_extras and bench_filtering rewrite their
 # tables as they go, so a step cut short still leaves what it measured. Results go to
@@ -46,10 +48,11 @@ done
 
 # Step limits in seconds on CUDA (a CPU dry run gets 3 times as long): every step is cut to
 # what is left of TOTAL_S, SIGKILL grace included. Overridable from the environment.
-TOTAL_S=${TOTAL_S:-510}
+TOTAL_S=${TOTAL_S:-570}
 PREFLIGHT_S=${PREFLIGHT_S:-40}
-BENCH_TP_S=${BENCH_TP_S:-170}  # bench_tp starts no new case after 110 s of them
-CUDA_GRAPHS_S=${CUDA_GRAPHS_S:-90}
+DEVICE_TESTS_S=${DEVICE_TESTS_S:-120}
+BENCH_TP_S=${BENCH_TP_S:-150}  # bench_tp starts no new case after 90 s of them
+CUDA_GRAPHS_S=${CUDA_GRAPHS_S:-60}
 COMPILE_S=${COMPILE_S:-80}
 EXTRAS_S=${EXTRAS_S:-60}       # the fp32 forward case at least (its five compiles)
 FILTERING_S=${FILTERING_S:-60} # likewise (four compiles per case)
@@ -157,6 +160,9 @@ if [[ "$DEVICE" == cuda* ]] && command -v nvidia-smi > /dev/null; then
     | tee -a "$LOG" || true
 fi
 
+# Correctness first: the CPU tests' oracle checks with the calls on the device.
+run_step device_tests "$DEVICE_TESTS_S" env COMPILED_LOGPROB_TEST_DEVICE="$DEVICE" \
+  "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py
 # TP = 2 (gloo) is CPU-only; on CUDA the memory is measured in process, case by case.
 run_step bench_tp "$BENCH_TP_S" "$PYTHON" perf/bench_tp.py --device "$DEVICE" \
   --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
