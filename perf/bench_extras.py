@@ -16,9 +16,7 @@ after that many seconds; a timeout) leaves what it measured.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 
 import torch
 
@@ -94,36 +92,15 @@ def table(results: dict[Case, dict[tuple[str, str], float]]) -> str:
     return markdown_table(header, rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds after which no new case starts")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    seq = 512 if args.quick else 2048
-    cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
-
-    def report(results, status: str) -> str:
-        return (
-            f"# Extras benchmark{' (quick)' if args.quick else ''}\n\n"
-            + harness.machine_header(args.device)
-            + f"- {status}\n"
-            f"- median of {args.repeats} calls after one warm-up, all variants interleaved; "
-            f"threads: {args.threads}; times in ms; ✗: over the 1.10× target\n"
-            "- plain: `token_logprobs(logits, target)`; temperature: `temperature=0.7`; "
-            "entropy: `return_entropy=True` (log-probs + entropy); k4_ids: `target` "
-            "`[B, S, 4]`; topk8: `vocab_parallel_topk(logits, 8)`\n\n"
-            + table(results)
-        )
-
-    harness.measure_cases(
-        cases, functools.partial(time_variants, device=args.device, repeats=args.repeats), report,
-        name="extras", device=args.device, quick=args.quick, time_budget=args.time_budget,
+def main(argv=None) -> None:
+    harness.case_benchmark(
+        argv, name="extras", title="Extras benchmark", measure=time_variants, table=table,
+        seq=2048, quick_seq=512, repeats=5,
+        legend="- plain: `token_logprobs(logits, target)`; temperature: `temperature=0.7`; "
+        "entropy: `return_entropy=True` (log-probs + entropy); k4_ids: `target` `[B, S, 4]`; "
+        "topk8: `vocab_parallel_topk(logits, 8)`; ✗: over the 1.10× target\n",
     )
+
 
 if __name__ == "__main__":
     main()

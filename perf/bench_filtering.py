@@ -12,9 +12,7 @@ one warm-up each, rewritten after every case (as ``bench_extras``, with its
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 
 import harness
 import torch
@@ -91,36 +89,15 @@ def table(results) -> str:
     return markdown_table(header, rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds after which no new case starts")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    seq = 256 if args.quick else 1024
-    cases = [Case(2, seq, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
-
-    def report(results, status: str) -> str:
-        return (
-            f"# Filtered log-probs benchmark{' (quick)' if args.quick else ''}\n\n"
-            + harness.machine_header(args.device)
-            + f"- {status}\n"
-            f"- median of {args.repeats} interleaved calls after one warm-up; threads: "
-            f"{args.threads}; times in ms; half the targets are their row's argmax\n"
-            "- seed: `SeedLogprobWithSampling` (NeMo-RL's sort-based algorithm, eager); eager / "
-            "compiled: `token_logprobs(..., top_k=, top_p=)`; plain compiled: "
-            "`token_logprobs` unfiltered, compiled\n\n"
-            + table(results)
-        )
-
-    harness.measure_cases(
-        cases, functools.partial(time_filters, device=args.device, repeats=args.repeats), report,
-        name="filtering", device=args.device, quick=args.quick, time_budget=args.time_budget,
+def main(argv=None) -> None:
+    harness.case_benchmark(
+        argv, name="filtering", title="Filtered log-probs benchmark", measure=time_filters,
+        table=table, seq=1024, quick_seq=256, repeats=3,
+        legend="- half the targets are their row's argmax; seed: `SeedLogprobWithSampling` "
+        "(NeMo-RL's sort-based algorithm, eager); eager / compiled: `token_logprobs(..., "
+        "top_k=, top_p=)`; plain compiled: `token_logprobs` unfiltered, compiled\n",
     )
+
 
 if __name__ == "__main__":
     main()

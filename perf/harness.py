@@ -20,6 +20,7 @@ Shape legend: ``B`` batch, ``S`` sequence, ``V`` full vocabulary, ``V_local`` on
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import gc
@@ -63,26 +64,47 @@ def write_result(name: str, device: str, quick: bool, report: str, *, quiet: boo
     return path
 
 
-def measure_cases(
-    cases: list, measure: Callable, report: Callable[[dict, str], str], *, name: str, device: str,
-    quick: bool, time_budget: float | None = None,
+def case_benchmark(
+    argv, *, name: str, title: str, legend: str, measure: Callable, table: Callable,
+    seq: int, quick_seq: int, repeats: int,
 ) -> dict:
-    """``{case: measure(case)}``, the report (``report(results, status)``) rewritten after
-    every case, so that a run cut short (a timeout) leaves what it measured. No new case
-    starts after ``time_budget`` seconds; the report then names the cases not run."""
+    """The command line of the per-case benchmarks (``bench_extras``, ``bench_filtering``):
+    ``measure(case, device=, repeats=)`` for ``[2, seq, 32000]`` fp32 and bf16, forward and
+    forward+backward, TP = 1, and ``results/{name}_<device>[_quick].md`` (``title``, the
+    machine, ``legend``, ``table(results)``) rewritten after every case, so that a run cut
+    short (a timeout) leaves what it measured. ``--time-budget``: no new case starts after
+    that many seconds; the report names the cases not run."""
+    parser = argparse.ArgumentParser(description=title)
+    parser.add_argument("--quick", action="store_true", help=f"[2, {quick_seq}, 32000]")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which no new case starts")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    length = quick_seq if args.quick else seq
+    cases = [Case(2, length, 32000, d, b) for d in ("float32", "bfloat16") for b in (False, True)]
+
+    def write(results: dict, status: str, quiet: bool = False) -> None:
+        report = (
+            f"# {title}{' (quick)' if args.quick else ''}\n\n{machine_header(args.device)}"
+            f"- {status}\n- median of {args.repeats} calls after one warm-up each, interleaved; "
+            f"threads: {args.threads}; times in ms\n{legend}\n{table(results)}"
+        )
+        write_result(name, args.device, args.quick, report, quiet=quiet)
+
     start = time.monotonic()
     results: dict = {}
     for done, case in enumerate(cases):
-        if time_budget is not None and time.monotonic() - start > time_budget:
+        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
             skipped = ", ".join(c.label() for c in cases[done:])
-            status = f"cut short by --time-budget {time_budget:g} s: not run: {skipped}"
-            write_result(name, device, quick, report(results, status))
+            write(results, f"cut short by --time-budget {args.time_budget:g} s: not run: {skipped}")
             return results
-        results[case] = measure(case)
+        results[case] = measure(case, device=args.device, repeats=args.repeats)
         print(f"  {case.label()} done", flush=True)
         last = done + 1 == len(cases)
-        status = "complete" if last else "partial: in progress, or interrupted"
-        write_result(name, device, quick, report(results, status), quiet=not last)
+        write(results, "complete" if last else "partial: in progress, or interrupted", quiet=not last)
     return results
 
 
