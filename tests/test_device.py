@@ -154,6 +154,25 @@ def _step(logits, target, upstream):
 
 
 @cuda_only
+def test_statistics_use_the_online_softmax(monkeypatch):
+    """On CUDA the statistics' pass reads each row once: Inductor's online softmax
+    (``prepare_softmax_online``) appears in the graph it lowers."""
+    from torch._inductor import config
+
+    lowered: list[str] = []
+
+    def record(graph: torch.fx.Graph) -> None:
+        lowered.extend(str(node.target) for node in graph.nodes)
+
+    monkeypatch.setattr(config, "post_grad_custom_post_pass", record)
+    logits, target, _ = _step_inputs(0)
+    torch._dynamo.reset()
+    with torch.compiler.config.patch(force_disable_caches=True), torch.no_grad():
+        torch.compile(cl.token_logprobs, fullgraph=True)(logits, target)
+    assert any("prepare_softmax_online" in name for name in lowered), sorted(set(lowered))
+
+
+@cuda_only
 def test_no_synchronising_calls():
     """No call waits for the device (``.item()``, a data-dependent shape, a blocking copy):
     CUDA raises on each one in this mode."""
