@@ -158,13 +158,18 @@ def test_statistics_use_the_online_softmax(monkeypatch):
     """On CUDA the statistics' pass reads each row once: Inductor's online softmax
     (``prepare_softmax_online``) appears in the graph it lowers."""
     from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     lowered: list[str] = []
 
-    def record(graph: torch.fx.Graph) -> None:
-        lowered.extend(str(node.target) for node in graph.nodes)
+    class Record(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            lowered.extend(str(node.target) for node in graph.nodes)
 
-    monkeypatch.setattr(config, "post_grad_custom_post_pass", record)
+        def uuid(self) -> None:
+            return None  # no FX graph cache: the pass must see the graph
+
+    monkeypatch.setattr(config, "post_grad_custom_post_pass", Record())
     logits, target, _ = _step_inputs(0)
     torch._dynamo.reset()
     with torch.compiler.config.patch(force_disable_caches=True), torch.no_grad():
