@@ -147,9 +147,34 @@ def local_stats(
     """
     if not eager and row_max is None and _uses_online_softmax(logits):
         stats = _online_softmax_stats(logits, temperature, with_entropy)
-        if target is not None:
-            stats = torch.cat([stats, target_stats(logits, target, vocab_start)], dim=-1)
-        return stats
+    else:
+        stats = _base2_stats(
+            logits,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            row_max=row_max,
+            eager=eager,
+            workspace=workspace,
+            spare=spare,
+        )
+    if target is not None:
+        stats.append(target_stats(logits, target, vocab_start))
+    return torch.cat(stats, dim=-1)
+
+
+def _base2_stats(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor | None,
+    with_entropy: bool,
+    row_max: torch.Tensor | None,
+    eager: bool,
+    workspace: torch.Tensor | None,
+    spare: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """:func:`local_stats`' ``[x_max, Σ exp(u)(, Σ u · exp(u))]``, ``u = (x − x_max) / T``,
+    as ``[B, S, 1]`` parts, computed in base 2 and shifted by a finite max: the form of the
+    eager kernels and of Inductor's CPU code."""
     x = _promoted(logits)
     if eager and x.dtype != torch.float32:
         # ATen reduces a 16-bit inner dimension several times slower than an fp32 one:
@@ -170,12 +195,8 @@ def local_stats(
         else:
             # Inductor's nansum splits the loop; a floor on c does it (2^c is 0 already).
             weighted = (centred.clamp(min=_LOG2_FLOOR) * exps).sum(-1, keepdim=True)
-        stats = [x_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
-    else:
-        stats = [x_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
-    if target is not None:
-        stats.append(target_stats(logits, target, vocab_start))
-    return torch.cat(stats, dim=-1)
+        return [x_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
+    return [x_max, _inplace(eager, centred, "exp2").sum(-1, keepdim=True)]
 
 
 def _uses_online_softmax(logits: torch.Tensor) -> bool:
@@ -185,8 +206,8 @@ def _uses_online_softmax(logits: torch.Tensor) -> bool:
 
 def _online_softmax_stats(
     logits: torch.Tensor, temperature: torch.Tensor | None, with_entropy: bool
-) -> torch.Tensor:
-    """:func:`local_stats`' ``[x_max, Σ exp((x − x_max) / T)(, Σ u · exp(u))]`` written as
+) -> list[torch.Tensor]:
+    """:func:`local_stats`' ``[x_max, Σ exp(u)(, Σ u · exp(u))]`` parts written as
     ``amax``, ``z − max``, ``exp``, ``sum`` of ``z = x / T``: the form that Inductor's
     online softmax matches on CUDA, where Triton then reads each row once for both the max
     and the sum (the base-2, infinity-guarded CPU form reads it twice: 1.44–1.53× the one
@@ -208,7 +229,7 @@ def _online_softmax_stats(
         # floor far below where exp(u) is 0 already keeps it 0.
         weighted = (centred.clamp(min=_LOG2_FLOOR) * exps).sum(-1, keepdim=True)
         stats.append(torch.where(empty, 0.0, weighted))
-    return torch.cat(stats, dim=-1)
+    return stats
 
 
 def topk_stats(
