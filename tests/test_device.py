@@ -46,14 +46,11 @@ def _on_device(ours, *, compiled: bool = False):
     """A test module's ``_ours(case, shard, target, start, group, option)`` run on
     :data:`DEVICE` (compiled with ``fullgraph=True`` when asked), its outputs back on the CPU."""
 
-    def call(case, shard, target, start, group, option):
-        def run(shard, target, option):
-            return ours(case, shard, target, start, group, option)
+    run = numerics.compiled_per_case(ours) if compiled else ours
 
-        if compiled:
-            torch._dynamo.reset()  # one compile per case, not a recompile of the last one's
-            run = torch.compile(run, fullgraph=True)
-        return _to("cpu", run(*_to(DEVICE, (shard, target, option))))
+    def call(case, shard, target, start, group, option):
+        shard, target, option = _to(DEVICE, (shard, target, option))
+        return _to("cpu", run(case, shard, target, start, group, option))
 
     return call
 

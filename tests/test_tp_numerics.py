@@ -128,6 +128,22 @@ def _value_and_grad(fn, leaf: torch.Tensor, upstream: torch.Tensor):
     return out.detach(), grad
 
 
+def compiled_per_case(ours):
+    """A test module's ``_ours(case, shard, target, start, group, option)`` under
+    ``torch.compile(fullgraph=True)``, compiled afresh for each call's case and with no
+    cached artifact (one of another form of the same graph would stand in for it)."""
+
+    def call(case, shard, target, start, group, option):
+        def run(shard, target, option):
+            return ours(case, shard, target, start, group, option)
+
+        torch._dynamo.reset()
+        with torch.compiler.config.patch(force_disable_caches=True):
+            return torch.compile(run, fullgraph=True)(shard, target, option)
+
+    return call
+
+
 def _assert_within(actual, expected, bound, what: str) -> None:
     """``|actual - expected| <= bound`` elementwise; NaN and ±inf must sit at the same places."""
     actual, expected = actual.double(), expected.double()
