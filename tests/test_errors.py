@@ -446,11 +446,13 @@ def test_torch_release(version, release):
     assert _torch_version.release(version) == release
 
 
+IMPORT_ON_OLD_TORCH = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
+
+
 def test_old_torch_is_refused_at_import():
     """Older torch fails the suite (a missing collective, a wrong DTensor gradient): refuse it
     at import with the fix, not later with an AttributeError or wrong numbers."""
-    program = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", IMPORT_ON_OLD_TORCH], capture_output=True, text=True)
     assert result.returncode != 0
     assert "ImportError: compiled_logprob needs torch >= 2.12, found 2.11.0" in result.stderr
     assert "pip install 'torch>=2.12'" in result.stderr
@@ -459,10 +461,10 @@ def test_old_torch_is_refused_at_import():
 def test_old_torch_is_allowed_with_a_warning_on_request():
     """``COMPILED_LOGPROB_ALLOW_OLD_TORCH=1`` (for measuring on an image with an older torch)
     imports with a warning that names the version, instead of refusing."""
-    program = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
     env = {**os.environ, "COMPILED_LOGPROB_ALLOW_OLD_TORCH": "1"}
     result = subprocess.run(
-        [sys.executable, "-W", "always", "-c", program], capture_output=True, text=True, env=env, check=False
+        [sys.executable, "-W", "always", "-c", IMPORT_ON_OLD_TORCH],
+        capture_output=True, text=True, env=env, check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "compiled_logprob needs torch >= 2.12, found 2.11.0; running anyway" in result.stderr
