@@ -370,6 +370,25 @@ def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
     assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated ids"
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 17, 1003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliced_row_reductions(vocab, dtype):
+    """The traced CPU statistics reduce a row over its ``ROW_SLICES`` slices merged
+    elementwise, then the entries left over: the max exactly that of one reduction, NaN and
+    infinities included, and the sum to fp32 rounding, for rows shorter than the slices,
+    divided evenly or not."""
+    x = 3 * torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    x[1] = float("-inf")
+    x[2, -1] = float("inf")
+    x[3, 0] = float("nan")
+    x[4, vocab // 2] = float("-inf")
+    x[5, -1] = float("nan")
+    x = x.to(dtype)
+    torch.testing.assert_close(_math._row_max(x), x.amax(-1, keepdim=True), rtol=0, atol=0, equal_nan=True)
+    terms = (x.float() - 2).exp2()
+    torch.testing.assert_close(_math._row_sum(terms), terms.sum(-1, keepdim=True), equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_local_topk_traced(dtype):
     """Compiled, Inductor's own code for the strided block maxima and the candidate gathers
