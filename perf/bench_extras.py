@@ -59,7 +59,7 @@ VARIANTS = {
 }
 
 
-def _step(fn, case: Case, logits, target, grad_out):
+def variant_step(fn, case: Case, logits, target, grad_out):
     if case.backward:
         return lambda: torch.autograd.grad(fn(logits, target), logits, grad_out)[0]
     return torch.no_grad()(functools.partial(fn, logits, target))
@@ -74,8 +74,8 @@ def time_variants(case: Case, *, device: str, repeats: int) -> dict[tuple[str, s
     steps = {}
     for name, fn in VARIANTS.items():
         ids = ids4 if name == "k4_ids" else target
-        steps[name, "eager"] = _step(fn, case, logits, ids, grad_out)
-        steps[name, "compiled"] = _step(torch.compile(fn, fullgraph=True), case, logits, ids, grad_out)
+        steps[name, "eager"] = variant_step(fn, case, logits, ids, grad_out)
+        steps[name, "compiled"] = variant_step(torch.compile(fn, fullgraph=True), case, logits, ids, grad_out)
     return harness.median_interleaved(steps, device=device, repeats=repeats)
 
 

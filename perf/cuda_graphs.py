@@ -82,10 +82,10 @@ def _compare(got, want) -> tuple[float, float]:
 def _median_ms(fn, device: str, calls: int = TIMED_CALLS) -> float:
     times = []
     for _ in range(calls):
-        harness._sync(device)
+        harness.sync(device)
         t0 = time.perf_counter()
         fn()
-        harness._sync(device)
+        harness.sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 

@@ -6,8 +6,10 @@
 #   the time/memory table on CUDA (torch.cuda.max_memory_allocated, achieved bandwidth vs
 #   ~4.8 TB/s), a CUDA-graph capture of a compiled training step checked against eager,
 #   compile time, the extras' cost over the plain pass (entropy, top-k, ...: on this CPU
-#   the exp-sum loop is compute-bound, so only a GPU tells whether they come free), and the
-#   top-k/top-p filtered log-probs against the seed's sort-based algorithm.
+#   the exp-sum loop is compute-bound, so only a GPU tells whether they come free) with the
+#   kernels they spend it in and the top-k's block sizes, and the top-k/top-p filtered
+#   log-probs against the seed's sort-based algorithm. The steps measured on a GPU before
+#   (CUDA graphs, compile time) come last, where a short budget cuts them first.
 #
 #   perf/gpu.sh                      # on the GPU machine, from anywhere
 #   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU (limits × 3)
@@ -16,8 +18,8 @@
 # fails or times out is reported and the next one runs, and the exit status is non-zero if
 # any step failed. bench_tp, cuda_graphs, bench_extras and bench_filtering rewrite their
 # tables as they go, so a step cut short still leaves what it measured. Results go to
-# perf/results/; when $OUT is set, the files this run wrote there (7 at most, with the log
-# gpu_sh.log: the device tool brings back 8) are copied into $OUT after every step.
+# perf/results/; when $OUT is set, the files this run wrote there (8 at most, with the log
+# gpu_sh.log: the device tool brings back 9) are copied into $OUT after every step.
 #
 # Works on a bare machine with the image's torch: nothing is installed, PYTHONPATH points at
 # the repository root (subprocesses included). The lent H200's image holds torch 2.11, older
@@ -51,11 +53,12 @@ done
 TOTAL_S=${TOTAL_S:-570}
 PREFLIGHT_S=${PREFLIGHT_S:-40}
 DEVICE_TESTS_S=${DEVICE_TESTS_S:-120}
-BENCH_TP_S=${BENCH_TP_S:-150}  # bench_tp starts no new case after 90 s of them
-CUDA_GRAPHS_S=${CUDA_GRAPHS_S:-60}
-COMPILE_S=${COMPILE_S:-80}
+BENCH_TP_S=${BENCH_TP_S:-120}  # bench_tp starts no new case after 60 s of them
 EXTRAS_S=${EXTRAS_S:-60}       # the fp32 forward case at least (its five compiles)
+PROFILE_S=${PROFILE_S:-70}     # 6 compiles to profile, then 2 per block size
 FILTERING_S=${FILTERING_S:-60} # likewise (four compiles per case)
+CUDA_GRAPHS_S=${CUDA_GRAPHS_S:-45}
+COMPILE_S=${COMPILE_S:-50}
 KILL_GRACE_S=10                # SIGKILL this long after a step ignores SIGTERM
 SCALE=1
 [[ "$DEVICE" == cpu ]] && SCALE=3
@@ -166,12 +169,14 @@ run_step device_tests "$DEVICE_TESTS_S" env COMPILED_LOGPROB_TEST_DEVICE="$DEVIC
 # TP = 2 (gloo) is CPU-only; on CUDA the memory is measured in process, case by case.
 run_step bench_tp "$BENCH_TP_S" "$PYTHON" perf/bench_tp.py --device "$DEVICE" \
   --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
+run_step bench_extras "$EXTRAS_S" "$PYTHON" perf/bench_extras.py --device "$DEVICE" \
+  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
+run_step profile_extras "$PROFILE_S" "$PYTHON" perf/profile_extras.py --device "$DEVICE" \
+  ${QUICK[@]+"${QUICK[@]}"}
+run_step bench_filtering "$FILTERING_S" "$PYTHON" perf/bench_filtering.py --device "$DEVICE" \
+  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
 run_step cuda_graphs "$CUDA_GRAPHS_S" "$PYTHON" perf/cuda_graphs.py --device "$DEVICE" ${QUICK[@]+"${QUICK[@]}"}
 if [[ "$DEVICE" == cuda* ]]; then
   run_step compile_check "$COMPILE_S" "$PYTHON" perf/compile_check.py --device "$DEVICE" --quick
 fi
-run_step bench_extras "$EXTRAS_S" "$PYTHON" perf/bench_extras.py --device "$DEVICE" \
-  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
-run_step bench_filtering "$FILTERING_S" "$PYTHON" perf/bench_filtering.py --device "$DEVICE" \
-  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
 finish

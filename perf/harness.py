@@ -233,16 +233,16 @@ def median_interleaved(
         for key, step in steps.items():
             if group is not None:
                 dist.barrier(group)
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             out = step()
-            _sync(device)
+            sync(device)
             times[key].append(time.perf_counter() - start)
             del out
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
