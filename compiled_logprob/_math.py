@@ -218,12 +218,13 @@ def _base2_stats(
     centred = _inplace(eager, centred, "mul", _log2_scale(temperature))
     if not eager:
         exps = centred.exp2()
-        parts = [x_max, _row_sum(exps)]
-        if with_entropy:
-            # 2^c · c is NaN where c = -inf (vocabulary padding), for a term that is 0: a
-            # floor on c keeps it 0 (2^c is 0 already; Inductor's nansum splits the loop).
-            parts.append(_row_sum(centred.clamp(min=_LOG2_FLOOR) * exps) * _LN_2)
-        return parts
+        if not with_entropy:
+            return [x_max, _row_sum(exps)]
+        # 2^c · c is NaN where c = -inf (vocabulary padding), for a term that is 0: a floor
+        # on c keeps it 0 (2^c is 0 already; Inductor's nansum splits the loop). Two sliced
+        # sums in one loop measured 1.35x slower in bf16 than these plain ones (fp32: equal).
+        weighted = (centred.clamp(min=_LOG2_FLOOR) * exps).sum(-1, keepdim=True)
+        return [x_max, exps.sum(-1, keepdim=True), weighted * _LN_2]
     if not with_entropy:
         return [x_max, centred.exp2_().sum(-1, keepdim=True)]
     exps = centred.exp2() if spare is None else torch.exp2(centred, out=spare)
