@@ -67,6 +67,12 @@ _LOG2_FLOOR = -1024.0
 # the previous one; eight slices in a balanced tree give the loop independent work (the
 # plain pass measured 0.83-0.88x its single-accumulator time on 2-core EPYC and Xeon).
 ROW_SLICES = 8
+# The entropy's two sums take half as many: a tree of eight slices of both terms exceeds
+# Inductor's CPU op-count limit for inlining, and it stores the tree as a [B, S, V/8] buffer
+# (in bf16, and in fp32 when traced for training: 1.5-1.8x the plain pass's time). Four
+# measured 1.16x (bf16) and 1.16-1.18x (fp32) the plain pass's forward, against 1.21x and
+# 1.14-1.16x with plain sums; one sum sliced and one plain splits the loop (1.6-1.8x).
+ENTROPY_SLICES = 4
 
 
 def _promoted(logits: torch.Tensor) -> torch.Tensor:
@@ -127,19 +133,19 @@ def _mixture_entropy(
     return torch.where(weights == 0, 0.0, weights * (entropies - log_weights)).sum(dim)
 
 
-def _sliced(terms: torch.Tensor, combine, reduce) -> torch.Tensor:
+def _sliced(terms: torch.Tensor, combine, reduce, slices: int = ROW_SLICES) -> torch.Tensor:
     """``reduce(terms)``, a keepdim reduction over the last dimension ``[..., V]``, as
     Inductor's CPU code runs it fastest: ``combine`` (``torch.maximum``, ``torch.add``)
-    merges ``ROW_SLICES`` contiguous slices of ``V // ROW_SLICES`` entries elementwise, in a
-    balanced tree, then ``reduce`` takes that and the ``V % ROW_SLICES`` entries left over.
+    merges ``slices`` contiguous slices of ``V // slices`` entries elementwise, in a
+    balanced tree, then ``reduce`` takes that and the ``V % slices`` entries left over.
     Other devices reduce in one go (Triton's reductions have no such chain)."""
-    width = terms.shape[-1] // ROW_SLICES
+    width = terms.shape[-1] // slices
     if width == 0 or not terms.is_cpu:
         return reduce(terms)
-    parts = list(terms[..., : width * ROW_SLICES].unflatten(-1, (ROW_SLICES, width)).unbind(-2))
+    parts = list(terms[..., : width * slices].unflatten(-1, (slices, width)).unbind(-2))
     while len(parts) > 1:
         parts = [combine(*parts[i : i + 2]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
-    reduced, rest = reduce(parts[0]), terms[..., width * ROW_SLICES :]
+    reduced, rest = reduce(parts[0]), terms[..., width * slices :]
     return reduced if rest.shape[-1] == 0 else combine(reduced, reduce(rest))
 
 
@@ -147,8 +153,8 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
     return _sliced(x, torch.maximum, lambda t: t.amax(-1, keepdim=True))
 
 
-def _row_sum(terms: torch.Tensor) -> torch.Tensor:
-    return _sliced(terms, torch.add, lambda t: t.sum(-1, keepdim=True))
+def _row_sum(terms: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
+    return _sliced(terms, torch.add, lambda t: t.sum(-1, keepdim=True), slices)
 
 
 def local_stats(
@@ -226,11 +232,10 @@ def _base2_stats(
         # every sum has it).
         weighted = centred.mul_(exps).nansum(-1, keepdim=True)
     else:
-        # Inductor's nansum splits the loop; a floor on c does it (2^c is 0 already). Both
-        # sums sliced, as the plain pass's: 1.12x (fp32) and 1.14x (bf16) its time, against
-        # 1.15x and 1.21x with plain sums; one sliced and one not split the loop (1.6-1.8x).
-        weighted = _row_sum(centred.clamp(min=_LOG2_FLOOR) * exps)
-    return [x_max, exps.sum(-1, keepdim=True) if eager else _row_sum(exps), weighted * _LN_2]
+        # Inductor's nansum splits the loop; a floor on c does it (2^c is 0 already).
+        weighted = _row_sum(centred.clamp(min=_LOG2_FLOOR) * exps, ENTROPY_SLICES)
+    total = exps.sum(-1, keepdim=True) if eager else _row_sum(exps, ENTROPY_SLICES)
+    return [x_max, total, weighted * _LN_2]
 
 
 def _uses_online_softmax(logits: torch.Tensor) -> bool:

@@ -39,9 +39,10 @@ _WRAPPERS = (
 )
 
 
-def kernel_rows(case: Case, name: str, *, device: str, calls: int) -> list[list[str]]:
-    """``[variant, kernel, calls per step, ms per step, share]`` of ``name``'s top kernels."""
-    logits, target, grad_out, _, _ = harness.make_inputs(case, 0, device)
+def kernel_rows(case: Case, name: str, inputs, *, device: str, calls: int) -> list[list[str]]:
+    """``[variant, kernel, calls per step, ms per step, share]`` of ``name``'s top kernels, on
+    ``inputs`` (:func:`harness.make_inputs`' logits, target and gradient)."""
+    logits, target, grad_out = inputs
     fn = torch.compile(bench_extras.VARIANTS[name], fullgraph=True)
     step = bench_extras.variant_step(fn, case, logits, target, grad_out)
     cuda = device.startswith("cuda")
@@ -69,8 +70,9 @@ def kernel_rows(case: Case, name: str, *, device: str, calls: int) -> list[list[
     ]
 
 
-def block_ratio(case: Case, block: int, *, device: str, repeats: int) -> tuple[float, float]:
-    """Median seconds of the plain pass and of the top-k, compiled with ``block``."""
+def block_ratio(case: Case, block: int, inputs, *, device: str, repeats: int) -> tuple[float, float]:
+    """Median seconds of the plain pass and of the top-k, compiled with ``block``, on
+    ``inputs``."""
     default = _math.TOPK_BLOCK
     _math.TOPK_BLOCK = block
     # The block size is read when Inductor decomposes the op, out of sight of Dynamo's guards
@@ -78,7 +80,7 @@ def block_ratio(case: Case, block: int, *, device: str, repeats: int) -> tuple[f
     try:
         with inductor_config.patch(force_disable_caches=True):
             torch._dynamo.reset()
-            logits, target, grad_out, _, _ = harness.make_inputs(case, 0, device)
+            logits, target, grad_out = inputs
             steps = {
                 name: bench_extras.variant_step(
                     torch.compile(bench_extras.VARIANTS[name], fullgraph=True),
@@ -110,9 +112,16 @@ def main(argv=None) -> None:
             "extras_profile", args.device, args.quick, title + "\n".join(parts), quiet=quiet
         )
 
+    def inputs(case: Case):  # one draw per case, shared by every variant and block size
+        return harness.make_inputs(case, 0, args.device)[:3]
+
     def kernels(case: Case) -> None:
         torch._dynamo.reset()
-        rows = [row for name in PROFILED for row in kernel_rows(case, name, device=args.device, calls=3)]
+        drawn = inputs(case)
+        rows = [
+            row for name in PROFILED
+            for row in kernel_rows(case, name, drawn, device=args.device, calls=3)
+        ]
         parts.append(
             f"\n## Kernels, compiled, {case.label()}\n\nTop {KERNELS_SHOWN} per variant by own "
             f"{'device' if args.device.startswith('cuda') else 'CPU'} time, over 3 calls after a "
@@ -127,8 +136,9 @@ def main(argv=None) -> None:
     kernels(forward)
     rows = []
     parts.append("")
+    drawn = inputs(forward)
     for block in BLOCKS:
-        plain, topk = block_ratio(forward, block, device=args.device, repeats=args.repeats)
+        plain, topk = block_ratio(forward, block, drawn, device=args.device, repeats=args.repeats)
         rows.append([str(block), f"{plain * 1e3:.2f}", f"{topk * 1e3:.2f}", f"{topk / plain:.2f}×"])
         parts[-1] = (
             f"\n## Top-k (k = 8) by block size, compiled, {forward.label()}\n\nMedian of "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 import pkgutil
+import re
 from collections import Counter
 from functools import partial
 
@@ -35,6 +36,7 @@ from torch._functorch.partitioners import (
 )
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compiled_logprob as cl
@@ -721,3 +723,45 @@ def _no_host_syncs_tp() -> None:
 
 def test_no_host_syncs_tp2(gloo_pool):
     gloo_pool(TP).run(_no_host_syncs_tp)
+
+
+# --------------------------------------------------------------------------------------
+# No vocabulary-sized temporaries in the compiled code.
+
+WIDE_VOCAB = 4096  # wide enough for every sliced reduction
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backward", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("return_entropy", [False, True], ids=["logprobs", "entropy"])
+def test_compiled_buffers_stay_per_row(return_entropy, backward, dtype):
+    """Inductor's code for the log-probs (with a temperature, and the entropy) allocates
+    per-row buffers only, besides the gradient: no fp32 copy of the logits, and no
+    sliced-reduction tree stored as a ``[B, S, V / slices]`` buffer (as Inductor does with a
+    tree past its CPU op-count limit: ``_math.ENTROPY_SLICES``), whose pages fault in on every
+    call."""
+    logits = (3 * torch.randn(BATCH, 16, WIDE_VOCAB)).to(dtype).requires_grad_(backward)
+    target = torch.randint(0, WIDE_VOCAB, (BATCH, 16))
+    for x in (logits, target):
+        torch._dynamo.mark_dynamic(x, 1)
+
+    def loss(logits, target):
+        out = cl.token_logprobs(logits, target, return_entropy=return_entropy, temperature=0.7)
+        return sum(out).sum() if return_entropy else out.sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    step = (lambda: torch.autograd.grad(compiled(logits, target), logits)) if backward else (
+        lambda: compiled(logits, target)
+    )
+    torch._dynamo.reset()
+    _, sources = run_and_get_code(step)
+    widths = [
+        int(shape.rsplit(",", 1)[-1])
+        for source in sources
+        for shape in re.findall(r"empty_strided_cpu\(\((\d[^)]*)\)", source)
+        if shape.rsplit(",", 1)[-1].strip().isdigit()
+    ]
+    assert widths, "no buffers found: has Inductor's wrapper code changed?"
+    wide = [width for width in widths if width > 16 and width != WIDE_VOCAB]
+    assert not wide, f"[B, S, {wide}] buffers in the compiled code (of widths {widths})"
+    assert widths.count(WIDE_VOCAB) == int(backward), f"[B, S, V] buffers: {widths}"
