@@ -435,25 +435,27 @@ def test_online_softmax_form(monkeypatch, case):
 def test_online_softmax_form_of_empty_and_infinite_rows():
     """Rows no single-process case has: all ``-inf`` (a shard wholly vocabulary padding,
     with TP > 1) sums to 0 with no entropy term, and a ``+inf`` max sums to ``inf``, as in
-    the base-2 form; the other rows agree to fp32 rounding."""
+    the shifted form, traced (base 2) or eager (nats); the other rows agree to fp32
+    rounding."""
     logits = 3 * torch.randn(2, 4, 50, generator=torch.Generator().manual_seed(0))
     logits[0, 0] = float("-inf")
     logits[0, 1, 7] = float("inf")
     logits[0, 2, :40] = float("-inf")
     temperature = torch.tensor([[0.5, 1.0, 1.5, 2.0], [0.7, 0.9, 1.1, 1.3]])
     online = torch.cat(_math._online_softmax_stats(logits, temperature, True), dim=-1)
-    base2 = torch.cat(
-        _math._base2_stats(
-            logits, temperature=temperature, with_entropy=True, row_max=None, eager=False,
-            workspace=None, spare=None,
-        ),
-        dim=-1,
-    )
     assert torch.equal(online[0, 0], torch.tensor([float("-inf"), 0.0, 0.0]))
     assert torch.equal(online[0, 1, :2], torch.tensor([float("inf"), float("inf")]))
-    torch.testing.assert_close(online[..., :2], base2[..., :2])
     finite_max = online[..., 0].isfinite()
-    torch.testing.assert_close(online[finite_max], base2[finite_max])
+    for eager in (False, True):
+        shifted = torch.cat(
+            _math._shifted_stats(
+                logits, temperature=temperature, with_entropy=True, row_max=None,
+                eager=eager, workspace=None, spare=None,
+            ),
+            dim=-1,
+        )
+        torch.testing.assert_close(online[..., :2], shifted[..., :2])
+        torch.testing.assert_close(online[finite_max], shifted[finite_max])
 
 
 @st.composite
