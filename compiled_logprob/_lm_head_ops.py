@@ -1,8 +1,9 @@
 """Op registrations for token log-probs straight from hidden states (no logits tensor).
 
-* ``compiled_logprob::lm_head_stats(hidden, weight, target, *, vocab_start, group_name,
-  ignore_index, temperature, chunk_size, with_entropy) -> (shift, log_total, target_logit,
-  entropy)``: per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``,
+* ``compiled_logprob::lm_head_stats(hidden, weight, target, temperature, *, vocab_start,
+  group_name, ignore_index, chunk_size, with_entropy) -> (shift, log_total, target_logit,
+  entropy)``: per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``
+  (``temperature`` fp32 ``[B, S]``, or ``None`` for 1),
   its per-row statistics and the target's logit; one all-gather of the ``[B, S, F]``
   statistics of the whole call over the TP group. The outputs are
   ``_math.exchange_stats``'s (the log-prob is ``target_logit − log_total``; ``shift`` is
@@ -49,10 +50,8 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden @ weight.T
 
 
-def _temperature(hidden: torch.Tensor, temperature: float) -> torch.Tensor | None:
-    if temperature == 1.0:
-        return None
-    return torch.full((), temperature, device=hidden.device).expand(hidden.shape[:-1])
+def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if tensor is None else tensor[:, rows]
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats", mutates_args=())
@@ -60,22 +59,21 @@ def lm_head_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
+    temperature: torch.Tensor | None,
     *,
     vocab_start: int,
     group_name: str | None,
     ignore_index: int | None,
-    temperature: float,
     chunk_size: int | None,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    scale = _temperature(hidden, temperature)
     targets = target.unsqueeze(-1)
     stats = [
         _math.local_stats(
             _logits(hidden[:, rows], weight),
             targets[:, rows],
             vocab_start,
-            temperature=None if scale is None else scale[:, rows],
+            temperature=_rows(temperature, rows),
             with_entropy=with_entropy,
             eager=True,
         )
@@ -86,14 +84,14 @@ def lm_head_stats(
         targets,
         group_name,
         ignore_index,
-        temperature=scale,
+        temperature=temperature,
         with_entropy=with_entropy,
     )
     return shift, log_total, target_logit.squeeze(-1), entropy
 
 
 @lm_head_stats.register_fake
-def _(hidden, weight, target, **options):
+def _(hidden, weight, target, temperature, **options):
     row = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
     return row, torch.empty_like(row), torch.empty_like(row), torch.empty_like(row)
 
@@ -114,6 +112,7 @@ def lm_head_stats_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
+    temperature: torch.Tensor | None,
     shift: torch.Tensor,
     log_total: torch.Tensor,
     entropy: torch.Tensor,
@@ -121,12 +120,10 @@ def lm_head_stats_backward(
     vocab_start: int,
     group_name: str | None,
     ignore_index: int | None,
-    temperature: float,
     chunk_size: int | None,
     needs_grad_hidden: bool,
     needs_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = _temperature(hidden, temperature)
     targets = target.unsqueeze(-1)
     grad_target_logit = grad_target_logit.unsqueeze(-1)
     hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
@@ -142,8 +139,8 @@ def lm_head_stats_backward(
             log_total[:, rows],
             vocab_start,
             ignore_index,
-            temperature=None if scale is None else scale[:, rows],
-            grad_entropy=None if grad_entropy is None else grad_entropy[:, rows],
+            temperature=_rows(temperature, rows),
+            grad_entropy=_rows(grad_entropy, rows),
             entropy=entropy[:, rows],
             eager=True,
         ).to(hidden.dtype)
@@ -173,20 +170,20 @@ def _(grad_log_total, grad_target_logit, grad_entropy, hidden, weight, *rest, **
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    hidden, weight, target = inputs
+    hidden, weight, target, temperature = inputs
     shift, log_total, _, entropy = output
     ctx.mark_non_differentiable(shift)  # as in _ops: the other outputs are invariant to it
-    ctx.save_for_backward(hidden, weight, target, shift, log_total, entropy)
+    ctx.save_for_backward(hidden, weight, target, temperature, shift, log_total, entropy)
     ctx.options = {
         name: keyword_only_inputs[name]
-        for name in ("vocab_start", "group_name", "ignore_index", "temperature", "chunk_size")
+        for name in ("vocab_start", "group_name", "ignore_index", "chunk_size")
     }
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
 def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
-    hidden, weight, target, shift, log_total, entropy = ctx.saved_tensors
-    needs_grad_hidden, needs_grad_weight, _ = ctx.needs_input_grad
+    hidden, weight, target, temperature, shift, log_total, entropy = ctx.saved_tensors
+    needs_grad_hidden, needs_grad_weight, _, _ = ctx.needs_input_grad
     grad_hidden, grad_weight = lm_head_stats_backward(
         grad_log_total,
         grad_target_logit,
@@ -194,6 +191,7 @@ def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
         hidden,
         weight,
         target,
+        temperature,
         shift,
         log_total,
         entropy,
@@ -204,6 +202,7 @@ def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
     return (
         grad_hidden if needs_grad_hidden else None,
         grad_weight if needs_grad_weight else None,
+        None,
         None,
     )
 

@@ -169,17 +169,21 @@ def _fp32_temperature(temperature: float | torch.Tensor) -> float | torch.Tensor
 
 
 def _temperature_rows(
-    temperature: float | torch.Tensor, rows_shape: torch.Size, device: torch.device
+    temperature: float | torch.Tensor,
+    rows_shape: torch.Size,
+    device: torch.device,
+    name: str = "logits",
 ) -> torch.Tensor | None:
-    """``None`` for 1, else fp32 ``[B, S]`` (a broadcast view, nothing copied)."""
+    """``None`` for 1, else fp32 ``[B, S]`` (a broadcast view, nothing copied) for the
+    positions ``rows_shape`` of the input ``name``."""
     low, high = _TEMPERATURE_RANGE
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float tensor, got dtype {temperature.dtype}")
         if temperature.device != device:
             raise ValueError(
-                f"temperature is on {temperature.device} but logits are on {device}; "
-                "move it to the logits' device"
+                f"temperature is on {temperature.device} but {name} are on {device}; "
+                f"move it to the {name}' device"
             )
         if temperature.requires_grad and torch.is_grad_enabled():
             raise ValueError(

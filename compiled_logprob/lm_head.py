@@ -61,9 +61,10 @@ def _validate_hidden(hidden, weight) -> None:
 
 def _validate(
     hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
-) -> tuple[int, int | None, int | None]:
-    """Checks the arguments; returns ``(vocab_start, ignore_index, chunk_size)`` as Python
-    ints, since the op's schema rejects other integer types (numpy's)."""
+) -> tuple[int, int | None, torch.Tensor | None, int | None]:
+    """Checks the arguments; returns ``(vocab_start, ignore_index, temperature,
+    chunk_size)`` as the op takes them: Python ints (its schema rejects numpy's), and the
+    temperature as fp32 ``[B, S]`` or ``None`` for 1."""
     _validate_hidden(hidden, weight)
     core._validate_token_ids(target, "target")
     positions = hidden.shape[:-1]
@@ -82,16 +83,10 @@ def _validate(
     # and device checked above, core's target checks add those of vocab_start and
     # ignore_index (an int that fits the target's dtype).
     vocab_start, ignore_index = core._validate_target(hidden, target, vocab_start, ignore_index)
-    if isinstance(temperature, torch.Tensor):
-        raise TypeError(
-            f"lm_head entry points take a float temperature, got a tensor of shape "
-            f"{tuple(temperature.shape)}; for per-row temperatures, compute the logits and call "
-            "token_logprobs on them"
-        )
-    core._check_float_temperature(temperature, "a float")
+    temperature = core._temperature_rows(temperature, positions, hidden.device, "hidden states")
     if chunk_size is not None:
         chunk_size = core._as_int(chunk_size, "chunk_size", minimum=1)
-    return vocab_start, ignore_index, chunk_size
+    return vocab_start, ignore_index, temperature, chunk_size
 
 
 def lm_head_token_logprobs(
@@ -103,7 +98,7 @@ def lm_head_token_logprobs(
     group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     ignore_index: int | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token, computed from the hidden states and LM-head weight.
@@ -125,7 +120,9 @@ def lm_head_token_logprobs(
         chunk_size: positions per chunk; temporaries are ``O(B · chunk_size · V_local)``
             fp32. Default: about ``2**24 / (B · V_local)`` positions (a 64 MiB tile).
         ignore_index: targets equal to it get log-prob (and entropy) 0 and no gradient.
-        temperature: the logits are divided by it before the softmax.
+        temperature: the softmax is over ``logits / temperature``: a float, or a tensor
+            that broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row), as in
+            :func:`~compiled_logprob.token_logprobs`.
         return_entropy: also return the entropy of the full-vocabulary softmax per position.
 
     Returns:
@@ -137,17 +134,17 @@ def lm_head_token_logprobs(
     A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
     the device without a host sync (``torch._assert_async``).
     """
-    vocab_start, ignore_index, chunk_size = _validate(
+    vocab_start, ignore_index, temperature, chunk_size = _validate(
         hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
     )
     _, log_total, target_logit, entropy = _lm_head_ops.lm_head_stats(
         core._as_batch(hidden, 2),
         weight,
         core._as_batch(target, 1),
+        temperature,
         vocab_start=vocab_start,
         group_name=core._group_name(group),
         ignore_index=ignore_index,
-        temperature=float(temperature),
         chunk_size=chunk_size,
         with_entropy=return_entropy,
     )
@@ -186,7 +183,7 @@ def lm_head_context_parallel_logprobs(
     seq_index: torch.Tensor | None = None,
     chunk_size: int | None = None,
     ignore_index: int | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -203,10 +200,10 @@ def lm_head_context_parallel_logprobs(
         weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
             ``hidden``'s dtype.
         input_ids: ``[..., S]`` the full, unshifted token ids in natural order, ``S <= C * L``.
-        vocab_start, group, cp_group, seq_index, ignore_index, return_entropy, next_token:
-            as in :func:`~compiled_logprob.context_parallel_logprobs`.
+        vocab_start, group, cp_group, seq_index, ignore_index, temperature, return_entropy,
+            next_token: as in :func:`~compiled_logprob.context_parallel_logprobs` (a tensor
+            ``temperature`` broadcasts to the output).
         chunk_size: as in :func:`lm_head_token_logprobs`.
-        temperature: a float (the logits are divided by it).
 
     Backward: the hidden states' gradient is all-reduced over ``group`` (as in
     :func:`lm_head_token_logprobs`) and, like the logits', is the sum over CP ranks of the
@@ -241,7 +238,7 @@ def lm_head_packed_context_parallel_logprobs(
     cp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     ignore_index: int | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -256,10 +253,10 @@ def lm_head_packed_context_parallel_logprobs(
             load-balanced-sharded on its own), the same on every rank of ``group``.
         weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight.
         input_ids, cu_seqlens_padded, max_seqlen, vocab_start, group, cp_group, ignore_index,
-            return_entropy, next_token: as in
-            :func:`~compiled_logprob.packed_context_parallel_logprobs`.
+            temperature, return_entropy, next_token: as in
+            :func:`~compiled_logprob.packed_context_parallel_logprobs` (a tensor
+            ``temperature`` broadcasts to the output ``[B, max_seqlen - 1]``).
         chunk_size: as in :func:`lm_head_token_logprobs`.
-        temperature: a float.
 
     Gradients as in :func:`lm_head_context_parallel_logprobs`.
     """
