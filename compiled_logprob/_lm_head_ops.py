@@ -3,11 +3,12 @@
 * ``compiled_logprob::lm_head_stats(hidden, weight, target, temperature, *, vocab_start,
   group_name, ignore_index, chunk_size, with_entropy) -> (shift, log_total, target_logit,
   entropy)``: per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``
-  (``temperature`` fp32 ``[B, S]``, or ``None`` for 1),
+  (``temperature`` fp32 ``[B, S]``, or ``None`` for 1), of targets ``[B, S, K]``,
   its per-row statistics and the target's logit; one all-gather of the ``[B, S, F]``
   statistics of the whole call over the TP group. The outputs are
   ``_math.exchange_stats``'s (the log-prob is ``target_logit − log_total``; ``shift`` is
-  not differentiable); the entropy is 0 without ``with_entropy``. All fp32 ``[B, S]``.
+  not differentiable); the entropy is 0 without ``with_entropy``. All fp32 ``[B, S]``, the
+  target logits ``[B, S, K]``.
 * ``compiled_logprob::lm_head_stats_backward``: recomputes each tile, forms its gradient with
   ``_math.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
   (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
@@ -67,11 +68,10 @@ def lm_head_stats(
     chunk_size: int | None,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    targets = target.unsqueeze(-1)
     stats = [
         _math.local_stats(
             _logits(hidden[:, rows], weight),
-            targets[:, rows],
+            target[:, rows],
             vocab_start,
             temperature=_rows(temperature, rows),
             with_entropy=with_entropy,
@@ -81,19 +81,20 @@ def lm_head_stats(
     ]
     shift, log_total, target_logit, entropy, _ = _math.exchange_stats(
         torch.cat(stats, dim=1),
-        targets,
+        target,
         group_name,
         ignore_index,
         temperature=temperature,
         with_entropy=with_entropy,
     )
-    return shift, log_total, target_logit.squeeze(-1), entropy
+    return shift, log_total, target_logit, entropy
 
 
 @lm_head_stats.register_fake
 def _(hidden, weight, target, temperature, **options):
     row = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
-    return row, torch.empty_like(row), torch.empty_like(row), torch.empty_like(row)
+    target_logit = hidden.new_empty(*hidden.shape[:-1], target.shape[-1], dtype=torch.float32)
+    return row, torch.empty_like(row), target_logit, torch.empty_like(row)
 
 
 def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -124,8 +125,6 @@ def lm_head_stats_backward(
     needs_grad_hidden: bool,
     needs_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    targets = target.unsqueeze(-1)
-    grad_target_logit = grad_target_logit.unsqueeze(-1)
     hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
     grad_hidden = hidden.new_empty(hidden_shape)
     grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
@@ -134,7 +133,7 @@ def lm_head_stats_backward(
             grad_log_total[:, rows],
             grad_target_logit[:, rows],
             _logits(hidden[:, rows], weight),
-            targets[:, rows],
+            target[:, rows],
             shift[:, rows],
             log_total[:, rows],
             vocab_start,

@@ -364,11 +364,30 @@ def token_logprobs(
         temperature=temperature,
         with_entropy=return_entropy,
     )
+    return _logprob_outputs(
+        target_logit, log_total, entropy, target, per_position, ignore_index, return_entropy
+    )
+
+
+def _logprob_outputs(
+    target_logit: torch.Tensor,
+    log_total: torch.Tensor,
+    entropy: torch.Tensor,
+    target: torch.Tensor,
+    per_position: bool,
+    ignore_index: int | None,
+    return_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of ``target`` (``[..., S]``, ``per_position``, or ``[..., S, K]``; 0
+    where ignored) and, with ``return_entropy``, the entropy ``[..., S]`` (0 where every id
+    of a position is ignored), from the statistics ``target_logit`` ``[*, K]``, ``log_total``
+    and ``entropy`` ``[*]`` over the same positions, in any leading shape."""
     logprobs = (target_logit - log_total.unsqueeze(-1)).view(target.shape)
     if ignore_index is not None:
         logprobs = torch.where(target == ignore_index, 0.0, logprobs)
     if not return_entropy:
         return logprobs
+    entropy = entropy.view(target.shape if per_position else target.shape[:-1])
     if ignore_index is not None and (per_position or target.shape[-1]):
         # Positions whose every id is ignored (K = 0 ids ignore nothing).
         ignored = target == ignore_index

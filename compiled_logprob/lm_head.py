@@ -68,16 +68,12 @@ def _validate(
     _validate_hidden(hidden, weight)
     core._validate_token_ids(target, "target")
     positions = hidden.shape[:-1]
-    if target.dim() == hidden.dim() and target.shape[:-1] == positions:
-        raise ValueError(
-            f"lm_head entry points take a [..., S] target (one id per position), got shape "
-            f"{tuple(target.shape)} for hidden {tuple(hidden.shape)}; for K ids per position, "
-            "compute the logits and call token_logprobs on them"
-        )
-    if target.shape != positions or target.device != hidden.device:
+    k_ids = target.dim() == hidden.dim() and target.shape[:-1] == positions
+    if not (target.shape == positions or k_ids) or target.device != hidden.device:
         raise ValueError(
             f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
-            f"leading shape {tuple(positions)} and device {hidden.device}"
+            f"leading shape {tuple(positions)}, or that + (K,) for K ids per position, and "
+            f"device {hidden.device}"
         )
     # The hidden states' leading dims are the positions, as the logits' are: with the shape
     # and device checked above, core's target checks add those of vocab_start and
@@ -113,7 +109,8 @@ def lm_head_token_logprobs(
             (the replicated input of the vocab-parallel LM head).
         weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
             ``hidden``'s dtype. The matmul runs in that dtype; all later math in fp32.
-        target: ``[..., S]`` global token ids (integer dtype).
+        target: ``[..., S]`` global token ids (integer dtype), or ``[..., S, K]`` for the
+            log-probs of ``K`` ids per position (distillation).
         vocab_start: first global vocabulary id of this rank's slice.
         group: the vocab-parallel (tensor-parallel) group; ``None`` or a group of size 1 means
             the vocabulary is not sharded.
@@ -126,7 +123,8 @@ def lm_head_token_logprobs(
         return_entropy: also return the entropy of the full-vocabulary softmax per position.
 
     Returns:
-        fp32 ``[..., S]`` log-probs, or ``(logprobs, entropy)`` with ``return_entropy``;
+        fp32 log-probs of ``target``'s shape, or ``(logprobs, entropy)`` with
+        ``return_entropy`` (entropy ``[..., S]``);
         differentiable with respect to ``hidden`` and ``weight``. The backward pass
         all-reduces the hidden states' gradient over ``group`` (each rank's part covers only
         its vocabulary slice), so ``hidden`` must not pass through another such reduction.
@@ -137,10 +135,12 @@ def lm_head_token_logprobs(
     vocab_start, ignore_index, temperature, chunk_size = _validate(
         hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
     )
+    per_position = target.dim() == hidden.dim() - 1
+    ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
     _, log_total, target_logit, entropy = _lm_head_ops.lm_head_stats(
         core._as_batch(hidden, 2),
         weight,
-        core._as_batch(target, 1),
+        core._as_batch(ids, 2),
         temperature,
         vocab_start=vocab_start,
         group_name=core._group_name(group),
@@ -148,12 +148,9 @@ def lm_head_token_logprobs(
         chunk_size=chunk_size,
         with_entropy=return_entropy,
     )
-    outputs = [(target_logit - log_total).view(target.shape)]
-    if return_entropy:
-        outputs.append(entropy.view(target.shape))
-    if ignore_index is not None:
-        outputs = [torch.where(target == ignore_index, 0.0, out) for out in outputs]
-    return tuple(outputs) if return_entropy else outputs[0]
+    return core._logprob_outputs(
+        target_logit, log_total, entropy, target, per_position, ignore_index, return_entropy
+    )
 
 
 def _hidden_logprobs(hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index):

@@ -45,6 +45,7 @@ class Case:
     chunk: int | None = 5
     ignore: bool = False  # ~30% of the targets are IGNORE
     temperature: float | str = 1.0  # or "rows" / "positions": see _temperature
+    k: int | None = None  # K target ids per position ([..., S, K]), else one ([..., S])
     entropy: bool = True
     seed: int = 0
 
@@ -55,13 +56,17 @@ def _inputs(case: Case):
     gen = torch.Generator().manual_seed(case.seed)
     dtype = DTYPES[case.dtype]
     shape = (*case.lead, case.seq)
+    ids_shape = shape if case.k is None else (*shape, case.k)
     hidden = torch.randn(*shape, case.hidden, generator=gen).to(dtype)
     weight = (torch.randn(case.vocab, case.hidden, generator=gen) * 2 / case.hidden**0.5).to(dtype)
-    target = torch.randint(0, case.vocab, shape, generator=gen)
+    target = torch.randint(0, case.vocab, ids_shape, generator=gen)
     if case.ignore:
-        target = torch.where(torch.rand(shape, generator=gen) < 0.3, IGNORE, target)
-    up = torch.randn(2, *shape, generator=gen, dtype=torch.float64)
-    return hidden, weight, target, up[0], up[1]
+        target = torch.where(torch.rand(ids_shape, generator=gen) < 0.3, IGNORE, target)
+    if case.k is not None:
+        target[..., 0, -1] = target[..., 0, 0]  # an id twice at one position
+        target[..., 1, :] = IGNORE  # a position whose every id is ignored
+    up_lp = torch.randn(ids_shape, generator=gen, dtype=torch.float64)
+    return hidden, weight, target, up_lp, torch.randn(shape, generator=gen, dtype=torch.float64)
 
 
 def _temperature(case: Case) -> float | torch.Tensor:
@@ -115,7 +120,7 @@ def _oracle_of(case: Case, hidden, weight, target, up_lp, up_ent) -> dict[str, t
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.double().unsqueeze(-1)
     z = logits / temperature
-    ignored = target == IGNORE
+    ignored = target == IGNORE if case.k is None else (target == IGNORE).all(-1)
     lp = oracle_logprobs(z, target, IGNORE)
     log_p = oracle_log_softmax(z)
     ent = torch.where(ignored, 0.0, -(log_p.exp() * log_p).sum(-1)) if case.entropy else 0 * lp
@@ -163,6 +168,7 @@ CASES = [
     Case(dtype="bf16", ignore=True, temperature=1.3, chunk=None),
     Case(ignore=True, temperature="positions"),
     Case(dtype="bf16", temperature="rows", chunk=None),
+    Case(ignore=True, temperature="positions", k=3),
     Case(lead=(1,), seq=7, chunk=3, entropy=False),
     Case(lead=(2, 3), seq=6, vocab=517, hidden=8, chunk=4),
 ]
@@ -176,7 +182,7 @@ def test_single_process_matches_oracle(case):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", CASES[:5], ids=str)
+@pytest.mark.parametrize("case", CASES[:6], ids=str)
 def test_tensor_parallel_matches_oracle(gloo_pool, world, case):
     want = _oracle(case)
     for rank, got in enumerate(gloo_pool(world).run(_worker_run, case)):
@@ -197,9 +203,10 @@ def _worker_compiled(case: Case, seqs: tuple[int, ...]) -> list[int]:
     return counters["stats"]["unique_graphs"] - before
 
 
-@pytest.mark.parametrize("temperature", [0.7, "positions"])
-def test_compiled_matches_eager_without_recompiles(gloo_pool, temperature):
-    case = Case(ignore=True, temperature=temperature)
+@pytest.mark.parametrize(
+    "case", [Case(ignore=True, temperature=0.7), Case(ignore=True, temperature="positions", k=3)], ids=str
+)
+def test_compiled_matches_eager_without_recompiles(gloo_pool, case):
     graphs = gloo_pool(2).run(_worker_compiled, case, (13, 29, 40))
     assert all(count <= 2 for count in graphs), graphs
 
@@ -214,6 +221,8 @@ def _op_args(case: Case, requires_grad: bool):
     hidden, weight, target, _, _ = _inputs(case)
     if case.ignore:
         target = torch.full_like(target, IGNORE)
+    if case.k is None:
+        target = target.unsqueeze(-1)  # the op takes [B, S, K] ids
     hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
     temperature = _temperature(dataclasses.replace(case, temperature="positions"))
     options = dict(vocab_start=0, ignore_index=IGNORE, chunk_size=case.chunk)
@@ -228,9 +237,10 @@ def _opcheck_both(case: Case, group_name: str | None) -> None:
     shift, log_total, _, entropy = _lm_head_ops.lm_head_stats(
         hidden.detach(), weight.detach(), target, temperature, **options, with_entropy=case.entropy
     )
-    grads = torch.randn(3, *shift.shape)
-    grad_entropy = grads[2] if case.entropy else None
-    args = (grads[0], grads[1], grad_entropy, hidden.detach(), weight.detach(), target, temperature)
+    grads = torch.randn(2, *shift.shape)
+    grad_entropy = grads[1] if case.entropy else None
+    grad_target_logit = torch.randn(target.shape)
+    args = (grads[0], grad_target_logit, grad_entropy, hidden.detach(), weight.detach(), target, temperature)
     args += (shift, log_total, entropy)
     for needs in ((True, True), (True, False), (False, True)):
         flags = dict(zip(("needs_grad_hidden", "needs_grad_weight"), needs))
@@ -240,7 +250,8 @@ def _opcheck_both(case: Case, group_name: str | None) -> None:
 def test_frozen_inputs_get_no_gradient_work():
     """A frozen LM head (or frozen hidden states) gets no gradient buffer: the backward forms
     only what autograd asks for, with the same values."""
-    hidden, weight, target, _, _ = _op_args(Case(), requires_grad=True)
+    hidden, weight, target, _, _ = _inputs(Case())
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
     both = torch.autograd.grad(lm_head_token_logprobs(hidden, weight, target).sum(), [hidden, weight])
     for frozen, trained in ((weight, hidden), (hidden, weight)):
         frozen.requires_grad_(False)
@@ -250,7 +261,9 @@ def test_frozen_inputs_get_no_gradient_work():
         frozen.requires_grad_(True)
 
 
-@pytest.mark.parametrize("case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=str)
+@pytest.mark.parametrize(
+    "case", [Case(), Case(dtype="bf16", entropy=False, chunk=None), Case(k=3)], ids=str
+)
 def test_opcheck(case):
     _opcheck_both(case, None)
 
@@ -317,10 +330,10 @@ BAD_INPUT_CASES = {
         ValueError,
         ["(0, 4)", "empty", "at most V ranks"],
     ),
-    "target_k_ids": (
-        _lm_head(target=TARGET[..., None].expand(2, 3, 2)),
+    "target_shape": (
+        _lm_head(target=TARGET[:, :2]),
         ValueError,
-        ["(2, 3, 2)", "[..., S]", "one id per position", "token_logprobs"],
+        ["(2, 2)", "leading shape (2, 3)", "+ (K,) for K ids per position"],
     ),
     "ignore_index_tensor": (
         _lm_head(ignore_index=torch.tensor(3)),
