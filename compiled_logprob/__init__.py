@@ -25,6 +25,7 @@ from compiled_logprob.lm_head import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
     lm_head_token_logprobs,
+    lm_head_topk,
 )
 from compiled_logprob.nemo_compat import (
     AllGatherCPTensor,
@@ -74,6 +75,7 @@ __all__ = [
     "lm_head_context_parallel_logprobs",
     "lm_head_packed_context_parallel_logprobs",
     "lm_head_token_logprobs",
+    "lm_head_topk",
     "packed_context_parallel_logprobs",
     "shard_for_context_parallel",
     "token_logprobs",

@@ -1,14 +1,16 @@
 """Op registrations for token log-probs straight from hidden states (no logits tensor).
 
 * ``compiled_logprob::lm_head_stats(hidden, weight, target, temperature, *, vocab_start,
-  group_name, ignore_index, chunk_size, with_entropy) -> (shift, log_total, target_logit,
-  entropy)``: per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature``
-  (``temperature`` fp32 ``[B, S]``, or ``None`` for 1), of targets ``[B, S, K]``,
-  its per-row statistics and the target's logit; one all-gather of the ``[B, S, F]``
-  statistics of the whole call over the TP group. The outputs are
-  ``_math.exchange_stats``'s (the log-prob is ``target_logit − log_total``; ``shift`` is
-  not differentiable); the entropy is 0 without ``with_entropy``. All fp32 ``[B, S]``, the
-  target logits ``[B, S, K]``.
+  group_name, ignore_index, chunk_size, with_entropy, topk) -> (shift, log_total,
+  target_logit, entropy, topk_ids)``: per sequence chunk, the logits tile
+  ``z = hidden @ weight.T / temperature`` (``temperature`` fp32 ``[B, S]``, or ``None`` for
+  1), its per-row statistics and the logits of the targets ``[B, S, K]`` or, with ``topk``
+  > 0 (and no target), of this shard's top ``topk`` (``_math.topk_stats``); one all-gather
+  of the ``[B, S, F]`` statistics of the whole call over the TP group. The outputs are
+  ``_math.exchange_stats``'s (a log-prob is ``target_logit − log_total``; ``shift`` is not
+  differentiable); the entropy is 0 without ``with_entropy``. All fp32 ``[B, S]``, the
+  target logits ``[B, S, K]`` (``K = topk`` with a top-k, whose int64 ids are
+  ``topk_ids``).
 * ``compiled_logprob::lm_head_stats_backward``: recomputes each tile, forms its gradient with
   ``_math.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
   (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
@@ -59,7 +61,7 @@ def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 def lm_head_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    target: torch.Tensor,
+    target: torch.Tensor | None,
     temperature: torch.Tensor | None,
     *,
     vocab_start: int,
@@ -67,34 +69,41 @@ def lm_head_stats(
     ignore_index: int | None,
     chunk_size: int | None,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    stats = [
-        _math.local_stats(
-            _logits(hidden[:, rows], weight),
-            target[:, rows],
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert (target is None) == (topk > 0), "the top-k are the targets"
+    stats = []
+    for rows in _chunks(hidden, weight, chunk_size):
+        tile = _logits(hidden[:, rows], weight)
+        candidates, row_max = [], None
+        if topk:
+            # The block maxima that select the tile's top-k also give its row max.
+            top, row_max = _math.topk_stats(tile, topk, vocab_start)
+            candidates = [top]
+        tile_stats = _math.local_stats(
+            tile,
+            _rows(target, rows),
             vocab_start,
             temperature=_rows(temperature, rows),
             with_entropy=with_entropy,
+            row_max=row_max,
             eager=True,
         )
-        for rows in _chunks(hidden, weight, chunk_size)
-    ]
-    shift, log_total, target_logit, entropy, _ = _math.exchange_stats(
+        stats.append(torch.cat([tile_stats, *candidates], dim=-1))
+    return _math.exchange_stats(
         torch.cat(stats, dim=1),
         target,
         group_name,
         ignore_index,
         temperature=temperature,
         with_entropy=with_entropy,
+        topk=topk,
     )
-    return shift, log_total, target_logit, entropy
 
 
 @lm_head_stats.register_fake
-def _(hidden, weight, target, temperature, **options):
-    row = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
-    target_logit = hidden.new_empty(*hidden.shape[:-1], target.shape[-1], dtype=torch.float32)
-    return row, torch.empty_like(row), target_logit, torch.empty_like(row)
+def _(hidden, weight, target, temperature, *, topk, **options):
+    return _math.empty_exchanged_stats(hidden, target, topk)
 
 
 def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -170,8 +179,10 @@ def _(grad_log_total, grad_target_logit, grad_entropy, hidden, weight, *rest, **
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, target, temperature = inputs
-    shift, log_total, _, entropy = output
+    shift, log_total, _, entropy, topk_ids = output
     ctx.mark_non_differentiable(shift)  # as in _ops: the other outputs are invariant to it
+    if keyword_only_inputs["topk"]:
+        target = topk_ids
     ctx.save_for_backward(hidden, weight, target, temperature, shift, log_total, entropy)
     ctx.options = {
         name: keyword_only_inputs[name]
@@ -180,7 +191,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy):
+def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy, __):
     hidden, weight, target, temperature, shift, log_total, entropy = ctx.saved_tensors
     needs_grad_hidden, needs_grad_weight, _, _ = ctx.needs_input_grad
     grad_hidden, grad_weight = lm_head_stats_backward(

@@ -359,6 +359,23 @@ def local_topk(
     return values, candidates.gather(-1, picked), row_max
 
 
+def empty_exchanged_stats(
+    rows: torch.Tensor, target: torch.Tensor | None, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised outputs shaped as :func:`exchange_stats` returns them for positions
+    ``rows.shape[:-1]`` ``[B, S]``, of ``target`` ``[B, S, K]`` or the top ``topk``: the ops'
+    fake kernels."""
+    row = rows.new_empty(rows.shape[:-1], dtype=torch.float32)
+    k = topk if target is None else target.shape[-1]
+    return (
+        row,
+        torch.empty_like(row),
+        rows.new_empty(*rows.shape[:-1], k, dtype=torch.float32),
+        torch.empty_like(row),
+        rows.new_empty(*rows.shape[:-1], topk, dtype=torch.int64),
+    )
+
+
 def exchange_stats(
     stats: torch.Tensor,
     target: torch.Tensor | None,

@@ -145,15 +145,7 @@ def vocab_parallel_stats(
 
 @vocab_parallel_stats.register_fake
 def _(logits, target, temperature, *, topk, **options):
-    row = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
-    k = topk if target is None else target.shape[-1]
-    return (
-        row,
-        torch.empty_like(row),
-        logits.new_empty(*logits.shape[:-1], k, dtype=torch.float32),
-        torch.empty_like(row),
-        logits.new_empty(*logits.shape[:-1], topk, dtype=torch.int64),
-    )
+    return _math.empty_exchanged_stats(logits, target, topk)
 
 
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats_backward", mutates_args=())

@@ -137,7 +137,7 @@ def lm_head_token_logprobs(
     )
     per_position = target.dim() == hidden.dim() - 1
     ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
-    _, log_total, target_logit, entropy = _lm_head_ops.lm_head_stats(
+    _, log_total, target_logit, entropy, _ = _lm_head_ops.lm_head_stats(
         core._as_batch(hidden, 2),
         weight,
         core._as_batch(ids, 2),
@@ -147,10 +147,59 @@ def lm_head_token_logprobs(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
         with_entropy=return_entropy,
+        topk=0,
     )
     return core._logprob_outputs(
         target_logit, log_total, entropy, target, per_position, ignore_index, return_entropy
     )
+
+
+def lm_head_topk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens and their log-probs, from the hidden states and LM-head weight.
+
+    Eager equivalent: ``vocab_parallel_topk(hidden @ weight.T, k, ...)``, i.e.
+    ``log_softmax((hidden @ full_weight.T).float() / temperature, -1).topk(k)`` — without ever
+    materialising the logits (a distillation teacher's top-k over a large vocabulary).
+
+    Args:
+        hidden, weight, vocab_start, group, chunk_size, temperature: as in
+            :func:`lm_head_token_logprobs`.
+        k: how many; at most ``V_local`` on every rank (with uneven shards, the smallest).
+
+    Returns:
+        ``(logprobs, ids)``, both ``[..., S, k]``: fp32 log-probs, differentiable with respect
+        to ``hidden`` and ``weight`` (the backward as in :func:`lm_head_token_logprobs`), and
+        int64 global vocabulary ids, sorted by decreasing probability. Each chunk's top ``k``
+        comes from its logits tile in the statistics pass (block maxima, as in
+        :func:`~compiled_logprob.vocab_parallel_topk`), and the one all-gather of statistics
+        carries every rank's.
+    """
+    _validate_hidden(hidden, weight)
+    core._check_topk(k, vocab_start, weight.shape[0])
+    positions = hidden.shape[:-1]
+    temperature = core._temperature_rows(temperature, positions, hidden.device, "hidden states")
+    _, log_total, top_logits, _, ids = _lm_head_ops.lm_head_stats(
+        core._as_batch(hidden, 2),
+        weight,
+        None,
+        temperature,
+        vocab_start=core._as_int(vocab_start, "vocab_start", minimum=0),
+        group_name=core._group_name(group),
+        ignore_index=None,
+        chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size", minimum=1),
+        with_entropy=False,
+        topk=core._as_int(k, "k"),
+    )
+    return (top_logits - log_total.unsqueeze(-1)).view(*positions, k), ids.view(*positions, k)
 
 
 def _hidden_logprobs(hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index):

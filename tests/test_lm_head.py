@@ -28,6 +28,7 @@ from compiled_logprob.lm_head import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
     lm_head_token_logprobs,
+    lm_head_topk,
 )
 from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logprobs, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
@@ -239,6 +240,107 @@ def test_tensor_parallel_matches_oracle(gloo_pool, world, case):
         _check(case, got, want, rank, world)
 
 
+# --- lm_head_topk: the top k of each position, scored like K ids ---
+
+TOPK_CASES = [
+    Case(k=8, entropy=False),
+    Case(k=5, dtype="bf16", temperature="rows", chunk=None, entropy=False),
+    Case(k=3, lead=(2, 3), seq=6, vocab=517, hidden=8, chunk=4, temperature="positions", entropy=False),
+    Case(k=2, seq=5, vocab=600, hidden=4, scale=1000.0, entropy=False),
+]
+
+
+def _run_topk(case: Case, rank: int, world: int, group, api=lm_head_topk):
+    """This rank's top-k log-probs and ids, and the gradients of ``Σ lp·up``."""
+    hidden, weight, _, up_lp, up_ent = _inputs(case)
+    lo, hi = vocab_bounds(case.vocab, world, rank)
+    hidden = hidden.requires_grad_()
+    weight = weight[lo:hi].clone().requires_grad_()
+    options = dict(vocab_start=lo, chunk_size=case.chunk, temperature=_temperature(case))
+    values, ids = api(hidden, weight, case.k, group=group, **options)
+    return _backward(case, values, hidden, weight, up_lp, up_ent), ids
+
+
+def _worker_topk(case: Case):
+    with no_host_syncs():
+        return _run_topk(case, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+
+
+def _check_topk(case: Case, got: dict[str, torch.Tensor], ids: torch.Tensor, rank: int, world: int):
+    """The ids are a top k of the float64 softmax (their log-probs its k largest, in order:
+    ties may pick other ids), and log-probs and gradients are the oracle's at those ids."""
+    hidden, weight, _, up_lp, up_ent = _inputs(case)
+    assert ids.dtype == torch.int64 and ids.shape == (*case.lead, case.seq, case.k)
+    want = _oracle_of(case, hidden, weight, ids, up_lp, up_ent)
+    _check(case, got, want, rank, world)
+    logits = (hidden @ weight.T).double()
+    temperature = _temperature(case)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.double().unsqueeze(-1)
+    top = oracle_log_softmax(logits / temperature).topk(case.k).values
+    u = torch.finfo(DTYPES[case.dtype]).eps / 2
+    atol = 1e-5 * (1 + want["zmax"]) + 2 * u * want["zmax"]
+    torch.testing.assert_close(got["lp"].double(), top, rtol=0, atol=atol, msg="top-k values")
+
+
+@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+def test_topk_single_process_matches_oracle(case):
+    with no_host_syncs():
+        got, ids = _run_topk(case, 0, 1, None)
+    _check_topk(case, got, ids, 0, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (2, 3)]),
+    seq=st.integers(1, 9),
+    hidden=st.integers(1, 12),
+    vocab=st.integers(1, 700),
+    k=st.integers(1, 12),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    chunk=st.one_of(st.none(), st.integers(1, 4)),
+    temperature=st.sampled_from([1.0, 0.3, "rows", "positions"]),
+    scale=st.sampled_from([1.0, 1000.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_topk_matches_oracle_over_shapes(**fields):
+    """Shards narrower than the block maxima need (plain torch.topk) and wider (block
+    maxima with a partial tail block), k = V, ties in bf16, logits x1000."""
+    case = Case(**dict(fields, k=min(fields["k"], fields["vocab"])), entropy=False)
+    with no_host_syncs():
+        got, ids = _run_topk(case, 0, 1, None)
+    _check_topk(case, got, ids, 0, 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", TOPK_CASES[:2], ids=str)
+def test_topk_tensor_parallel_matches_oracle(gloo_pool, world, case):
+    for rank, (got, ids) in enumerate(gloo_pool(world).run(_worker_topk, case)):
+        _check_topk(case, got, ids, rank, world)
+
+
+def _worker_topk_compiled(case: Case, seqs: tuple[int, ...]) -> int:
+    """Compiled (fullgraph) forward and backward equal eager; returns the graphs compiled."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lm_head_topk, fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for seq in seqs:
+        args = (dataclasses.replace(case, seq=seq), dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        (want, want_ids), (got, got_ids) = _run_topk(*args), _run_topk(*args, api=compiled)
+        assert torch.equal(got_ids, want_ids), f"ids at S={seq}"
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"{name} at S={seq}")
+    return counters["stats"]["unique_graphs"] - before
+
+
+def test_topk_compiled_matches_eager_without_recompiles(gloo_pool):
+    # fp32: in bf16, compiled and eager may sum the k upstream gradients in another order
+    # and round a gradient entry the other way.
+    case = Case(k=5, temperature="rows", entropy=False)
+    graphs = gloo_pool(2).run(_worker_topk_compiled, case, (13, 29, 40))
+    assert all(count <= 2 for count in graphs), graphs
+
+
 def _worker_compiled(case: Case, seqs: tuple[int, ...]) -> list[int]:
     """Compiled (fullgraph) forward and backward equal eager for several sequence lengths;
     returns the number of graphs compiled."""
@@ -279,14 +381,21 @@ def _op_args(case: Case, requires_grad: bool):
     return hidden, weight, target, temperature, options
 
 
-def _opcheck_both(case: Case, group_name: str | None) -> None:
+def _opcheck_both(case: Case, group_name: str | None, topk: int = 0) -> None:
+    """opcheck of the forward op (of ``case``'s targets, or with ``topk`` of the top-k) and of
+    the backward op for each set of gradients that autograd may ask for."""
     hidden, weight, target, temperature, options = _op_args(case, requires_grad=True)
     options["group_name"] = group_name
+    if topk:
+        target = None
+    forward_options = dict(options, with_entropy=case.entropy, topk=topk)
     inputs = (hidden, weight, target, temperature)
-    torch.library.opcheck(_lm_head_ops.lm_head_stats, inputs, dict(options, with_entropy=case.entropy))
-    shift, log_total, _, entropy = _lm_head_ops.lm_head_stats(
-        hidden.detach(), weight.detach(), target, temperature, **options, with_entropy=case.entropy
+    torch.library.opcheck(_lm_head_ops.lm_head_stats, inputs, forward_options)
+    shift, log_total, _, entropy, topk_ids = _lm_head_ops.lm_head_stats(
+        hidden.detach(), weight.detach(), target, temperature, **forward_options
     )
+    if topk:
+        target = topk_ids
     grads = torch.randn(2, *shift.shape)
     grad_entropy = grads[1] if case.entropy else None
     grad_target_logit = torch.randn(target.shape)
@@ -318,6 +427,11 @@ def test_opcheck(case):
     _opcheck_both(case, None)
 
 
+@pytest.mark.parametrize("case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=str)
+def test_opcheck_topk(case):
+    _opcheck_both(case, None, topk=5)
+
+
 @pytest.fixture
 def fake_group():
     """A two-rank fake process group in this process: collectives trace and run, values
@@ -335,6 +449,7 @@ def test_opcheck_with_group(fake_group):
     # The fake all-gather's values are meaningless: ignore every target so that the
     # ownership assertion does not depend on them.
     _opcheck_both(Case(seq=6, chunk=4, ignore=True), fake_group.group_name)
+    _opcheck_both(Case(seq=6, chunk=4), fake_group.group_name, topk=3)
 
 
 @pytest.mark.parametrize(
@@ -406,6 +521,14 @@ BAD_INPUT_CASES = {
     "chunk_size_float": (_lm_head(chunk_size=2.5), TypeError, ["chunk_size", "int", "2.5"]),
     "chunk_size_bool": (_lm_head(chunk_size=True), TypeError, ["chunk_size", "True"]),
     "chunk_size_zero": (_lm_head(chunk_size=0), ValueError, ["chunk_size", ">= 1", "0"]),
+    "topk_k_zero": (lambda: lm_head_topk(HIDDEN, WEIGHT, 0), ValueError, ["k must be", "[1, V_local = 5]", "0"]),
+    "topk_k_above_shard": (lambda: lm_head_topk(HIDDEN, WEIGHT, 6), ValueError, ["V_local = 5", "6"]),
+    "topk_k_float": (lambda: lm_head_topk(HIDDEN, WEIGHT, 2.0), TypeError, ["k", "int", "2.0"]),
+    "topk_weight_shape": (
+        lambda: lm_head_topk(HIDDEN, torch.randn(5, 3), 2),
+        ValueError,
+        ["[V_local, H] with H = 4", "(5, 3)"],
+    ),
     "temperature_tensor_shape": (
         _lm_head(temperature=torch.full((3, 1), 0.7)),
         ValueError,
