@@ -5,13 +5,18 @@
 * ``lm_head``: ``compiled_logprob.lm_head.lm_head_token_logprobs`` (eager; its ops are opaque
   to the compiler anyway), forward and backward — they do not.
 
+With ``--topk K`` both score the top K instead (``vocab_parallel_topk`` of the logits
+against ``lm_head_topk``: a distillation teacher's top-k, with its gradient).
+
 Both produce the gradients of the hidden states and the weight. Each configuration runs in a
 fresh subprocess: the peak resident memory of the first training step is measured over the
 resident memory just before it (``VmHWM`` reset through ``/proc/self/clear_refs``), then the
-step time is the median of ``--steps`` steps. Results go to ``perf/results/lm_head.md``.
+step time is the median of ``--steps`` steps. Results go to ``perf/results/lm_head.md``
+(``lm_head_topk.md`` with ``--topk``).
 
     python perf/bench_lm_head.py                   # V = 152064, [1, 8192, 256], fp32
     python perf/bench_lm_head.py --hidden 512 --chunks 110 256
+    python perf/bench_lm_head.py --topk 32
 """
 
 from __future__ import annotations
@@ -27,21 +32,27 @@ import time
 import torch
 from harness import reset_peak_rss, rss_kib
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lm_head.md")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _step(method: str, hidden, weight, target, chunk: int | None) -> None:
+def _step(method: str, hidden, weight, target, chunk: int | None, topk: int) -> None:
     import compiled_logprob as cl
-    from compiled_logprob.lm_head import lm_head_token_logprobs
 
-    if method == "logits":
+    if topk:
+        if method == "logits":
+            logprobs, _ = cl.vocab_parallel_topk(hidden @ weight.T, topk)
+        else:
+            logprobs, _ = cl.lm_head_topk(hidden, weight, topk, chunk_size=chunk)
+    elif method == "logits":
         logprobs = cl.token_logprobs(hidden @ weight.T, target)
     else:
-        logprobs = lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk)
+        logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk)
     logprobs.sum().backward()
 
 
-def measure(method: str, batch: int, seq: int, hidden_size: int, vocab: int, chunk: int | None, steps: int) -> dict:
+def measure(
+    method: str, batch: int, seq: int, hidden_size: int, vocab: int, chunk: int | None, steps: int, topk: int
+) -> dict:
     """Runs in the subprocess: peak memory of the first step, median time of ``steps``."""
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch, seq, hidden_size, generator=gen).requires_grad_()
@@ -54,7 +65,7 @@ def measure(method: str, batch: int, seq: int, hidden_size: int, vocab: int, chu
             reset_peak_rss()
             baseline = rss_kib("VmRSS")
         start = time.perf_counter()
-        _step(method, hidden, weight, target, chunk)
+        _step(method, hidden, weight, target, chunk, topk)
         times.append(time.perf_counter() - start)
         if step == 0:
             peak = rss_kib("VmHWM") - baseline
@@ -76,15 +87,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--chunks", type=int, nargs="*", default=[0], help="lm_head chunk sizes (0: default)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=0, help="score the top K instead of a target")
     args = parser.parse_args()
-    shape = dict(batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, steps=args.steps)
+    shape = dict(
+        batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, steps=args.steps,
+        topk=args.topk,
+    )
     rows = [("logits path", _run_fresh(dict(shape, method="logits", chunk=None)))]
     for chunk in args.chunks:
         result = _run_fresh(dict(shape, method="lm_head", chunk=chunk or None))
         rows.append((f"lm_head chunk={chunk or 'default'}", result))
     base = rows[0][1]
     lines = [
-        "# Token log-probs from hidden states vs the logits path (CPU, fp32, forward + backward)",
+        f"# {f'Top-{args.topk}' if args.topk else 'Token'} log-probs from hidden states vs the "
+        "logits path (CPU, fp32, forward + backward)",
         "",
         f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}], "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. Peak: resident memory of the "
@@ -100,8 +116,8 @@ def main() -> None:
             f"| {r['time_s']:.2f} | {r['time_s'] / base['time_s']:.2f} |"
         )
     report = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as out:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "lm_head_topk.md" if args.topk else "lm_head.md"), "w") as out:
         out.write(report)
     print(report)
 
