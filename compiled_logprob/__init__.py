@@ -1,8 +1,8 @@
 """Compile-native vocab-parallel token log-probs for RL post-training.
 
 The functional API (``token_logprobs``, the context-parallel and DTensor entry points,
-``lm_head_token_logprobs``, ``lm_head_topk``) is the core; the NeMo-RL names (``DistributedLogprob`` …) are
-drop-in wrappers over it.
+``lm_head_token_logprobs``, ``lm_head_topk``) is the core; the NeMo-RL names
+(``DistributedLogprob`` …) are drop-in wrappers over it.
 """
 
 # First: an old torch is refused before any op is registered.
