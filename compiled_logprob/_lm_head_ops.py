@@ -39,18 +39,41 @@ from compiled_logprob import _math
 TILE_ELEMENTS = 1 << 24
 
 
-def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) -> list[slice]:
+def _chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None, *, spare: bool
+) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The chunks of sequence positions, each with its ``[B, c, V_local]`` views of buffers
+    that every chunk reuses: the logits tile (the inputs' dtype), an fp32 workspace and,
+    when asked for (the entropy's second temporary), an fp32 ``spare``. Fresh tile-sized
+    temporaries would fault their pages in for every chunk."""
     batch, seq_len, _ = hidden.shape
+    vocab = weight.shape[0]
     if chunk_size is None:
-        chunk_size = max(1, TILE_ELEMENTS // max(1, batch * weight.shape[0]))
+        chunk_size = max(1, TILE_ELEMENTS // max(1, batch * vocab))
+    tile = batch * min(chunk_size, max(seq_len, 1)) * vocab
+    logits = hidden.new_empty(tile)
+    fp32 = hidden.new_empty((1 + spare) * tile, dtype=torch.float32)
+    chunks = []
     # At least one (possibly empty) chunk: an empty sequence still joins the collective.
-    return [slice(s, s + chunk_size) for s in range(0, max(seq_len, 1), chunk_size)]
+    for start in range(0, max(seq_len, 1), chunk_size):
+        shape = (batch, max(0, min(chunk_size, seq_len - start)), vocab)
+
+        def view(buffer: torch.Tensor, index: int = 0) -> torch.Tensor:
+            return buffer[index * tile :][: shape[0] * shape[1] * shape[2]].view(shape)
+
+        chunks.append((
+            slice(start, start + chunk_size), view(logits), view(fp32), view(fp32, 1) if spare else None
+        ))
+    return chunks
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``[B, c, V_local]`` tile ``hidden @ weight.T`` in the inputs' dtype, as the logits path
-    computes its logits; the temperature and everything after it run in fp32 in ``_math``."""
-    return hidden @ weight.T
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``[B, c, V_local]`` tile ``hidden @ weight.T`` in the inputs' dtype (written into
+    ``out``), as the logits path computes its logits; the temperature and everything after
+    it run in fp32 in ``_math``. One 2-D matmul: ``torch.matmul`` with ``out=`` takes a
+    batched path with copies for a sliced ``hidden`` (8x slower in bf16)."""
+    torch.mm(hidden.flatten(0, 1), weight.T, out=out.view(-1, weight.shape[0]))
+    return out
 
 
 def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -73,8 +96,8 @@ def lm_head_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (target is None) == (topk > 0), "the top-k are the targets"
     stats = []
-    for rows in _chunks(hidden, weight, chunk_size):
-        tile = _logits(hidden[:, rows], weight)
+    for rows, tile, workspace, spare in _chunks(hidden, weight, chunk_size, spare=with_entropy):
+        tile = _logits(hidden[:, rows], weight, tile)
         candidates, row_max = [], None
         if topk:
             # The block maxima that select the tile's top-k also give its row max.
@@ -88,6 +111,8 @@ def lm_head_stats(
             with_entropy=with_entropy,
             row_max=row_max,
             eager=True,
+            workspace=workspace,
+            spare=spare,
         )
         stats.append(torch.cat([tile_stats, *candidates], dim=-1))
     return _math.exchange_stats(
@@ -137,11 +162,12 @@ def lm_head_stats_backward(
     hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
     grad_hidden = hidden.new_empty(hidden_shape)
     grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
-    for rows in _chunks(hidden, weight, chunk_size):
+    chunks = _chunks(hidden, weight, chunk_size, spare=grad_entropy is not None)
+    for rows, tile, workspace, spare in chunks:
         grad = _math.grad_logits(
             grad_log_total[:, rows],
             grad_target_logit[:, rows],
-            _logits(hidden[:, rows], weight),
+            _logits(hidden[:, rows], weight, tile),
             target[:, rows],
             shift[:, rows],
             log_total[:, rows],
@@ -151,7 +177,11 @@ def lm_head_stats_backward(
             grad_entropy=_rows(grad_entropy, rows),
             entropy=entropy[:, rows],
             eager=True,
-        ).to(hidden.dtype)
+            workspace=workspace,
+            spare=spare,
+        )
+        if grad.dtype != hidden.dtype:
+            grad = tile.copy_(grad)  # rounded once, into the tile: its logits are spent
         if needs_grad_hidden:
             grad_hidden[:, rows] = grad @ weight
         if needs_grad_weight:
