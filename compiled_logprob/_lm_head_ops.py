@@ -53,16 +53,16 @@ def _chunks(
     tile = batch * min(chunk_size, max(seq_len, 1)) * vocab
     logits = hidden.new_empty(tile)
     fp32 = hidden.new_empty((1 + spare) * tile, dtype=torch.float32)
+
+    def view(buffer: torch.Tensor, positions: int, index: int = 0) -> torch.Tensor:
+        return buffer[index * tile :][: batch * positions * vocab].view(batch, positions, vocab)
+
     chunks = []
     # At least one (possibly empty) chunk: an empty sequence still joins the collective.
     for start in range(0, max(seq_len, 1), chunk_size):
-        shape = (batch, max(0, min(chunk_size, seq_len - start)), vocab)
-
-        def view(buffer: torch.Tensor, index: int = 0) -> torch.Tensor:
-            return buffer[index * tile :][: shape[0] * shape[1] * shape[2]].view(shape)
-
+        n = max(0, min(chunk_size, seq_len - start))
         chunks.append((
-            slice(start, start + chunk_size), view(logits), view(fp32), view(fp32, 1) if spare else None
+            slice(start, start + chunk_size), view(logits, n), view(fp32, n), view(fp32, n, 1) if spare else None
         ))
     return chunks
 

@@ -99,8 +99,10 @@ def main() -> None:
         rows.append((f"lm_head chunk={chunk or 'default'}", result))
     base = rows[0][1]
     lines = [
-        f"# {f'Top-{args.topk}' if args.topk else 'Token'} log-probs from hidden states vs the "
-        "logits path (CPU, fp32, forward + backward)",
+        (
+            f"# {f'Top-{args.topk}' if args.topk else 'Token'} log-probs from hidden states vs "
+            "the logits path (CPU, fp32, forward + backward)"
+        ),
         "",
         f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}], "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. Peak: resident memory of the "
