@@ -131,12 +131,15 @@ def _(hidden, weight, target, temperature, *, topk, **options):
     return _math.empty_exchanged_stats(hidden, target, topk)
 
 
-def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b``; in place when the dtypes allow (CPU has no mixed-dtype addmm)."""
-    if out.dtype == a.dtype:
+def _add_matmul(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, product: torch.Tensor | None
+) -> None:
+    """``out += a @ b``: in place when the dtypes allow (CPU has no mixed-dtype addmm), else
+    through ``product``, a buffer of ``a @ b``'s shape and dtype that every chunk reuses."""
+    if product is None:
         out.addmm_(a, b)
     else:
-        out += a @ b
+        out += torch.mm(a, b, out=product)
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats_backward", mutates_args=())
@@ -162,6 +165,8 @@ def lm_head_stats_backward(
     hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
     grad_hidden = hidden.new_empty(hidden_shape)
     grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
+    mixed = needs_grad_weight and weight.dtype != torch.float32
+    product = weight.new_empty(weight.shape) if mixed else None
     chunks = _chunks(hidden, weight, chunk_size, spare=grad_entropy is not None)
     for rows, tile, workspace, spare in chunks:
         grad = _math.grad_logits(
@@ -185,7 +190,7 @@ def lm_head_stats_backward(
         if needs_grad_hidden:
             grad_hidden[:, rows] = grad @ weight
         if needs_grad_weight:
-            _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1))
+            _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1), product)
     if needs_grad_hidden and group_name is not None:
         grad_hidden = funcol.wait_tensor(funcol.all_reduce(grad_hidden, "sum", group_name))
     return grad_hidden, grad_weight.to(weight.dtype)
