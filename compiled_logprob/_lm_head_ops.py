@@ -50,12 +50,13 @@ def _chunks(
     vocab = weight.shape[0]
     if chunk_size is None:
         chunk_size = max(1, TILE_ELEMENTS // max(1, batch * vocab))
-    tile = batch * min(chunk_size, max(seq_len, 1)) * vocab
-    logits = hidden.new_empty(tile)
-    fp32 = hidden.new_empty((1 + spare) * tile, dtype=torch.float32)
+    tile_elements = batch * min(chunk_size, max(seq_len, 1)) * vocab
+    logits = hidden.new_empty(tile_elements)
+    fp32 = hidden.new_empty((1 + spare) * tile_elements, dtype=torch.float32)
 
     def view(buffer: torch.Tensor, positions: int, index: int = 0) -> torch.Tensor:
-        return buffer[index * tile :][: batch * positions * vocab].view(batch, positions, vocab)
+        start = index * tile_elements
+        return buffer[start : start + batch * positions * vocab].view(batch, positions, vocab)
 
     chunks = []
     # At least one (possibly empty) chunk: an empty sequence still joins the collective.
@@ -74,10 +75,6 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> to
     batched path with copies for a sliced ``hidden`` (8x slower in bf16)."""
     torch.mm(hidden.flatten(0, 1), weight.T, out=out.view(-1, weight.shape[0]))
     return out
-
-
-def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if tensor is None else tensor[:, rows]
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats", mutates_args=())
@@ -105,9 +102,9 @@ def lm_head_stats(
             candidates = [top]
         tile_stats = _math.local_stats(
             tile,
-            _rows(target, rows),
+            _math.block_rows(target, rows),
             vocab_start,
-            temperature=_rows(temperature, rows),
+            temperature=_math.block_rows(temperature, rows),
             with_entropy=with_entropy,
             row_max=row_max,
             eager=True,
@@ -178,8 +175,8 @@ def lm_head_stats_backward(
             log_total[:, rows],
             vocab_start,
             ignore_index,
-            temperature=_rows(temperature, rows),
-            grad_entropy=_rows(grad_entropy, rows),
+            temperature=_math.block_rows(temperature, rows),
+            grad_entropy=_math.block_rows(grad_entropy, rows),
             entropy=entropy[:, rows],
             eager=True,
             workspace=workspace,

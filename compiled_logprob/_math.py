@@ -359,6 +359,12 @@ def local_topk(
     return values, candidates.gather(-1, picked), row_max
 
 
+def block_rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The sequence positions ``rows`` of a per-position ``[B, S, *]`` tensor (``None`` stays
+    ``None``): an eager block's or chunk's part."""
+    return None if tensor is None else tensor[:, rows]
+
+
 def empty_exchanged_stats(
     rows: torch.Tensor, target: torch.Tensor | None, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -83,10 +83,6 @@ def _seq_blocks(
     return blocks
 
 
-def _rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if tensor is None else tensor[:, rows]
-
-
 @torch.library.custom_op("compiled_logprob::vocab_parallel_stats", mutates_args=())
 def vocab_parallel_stats(
     logits: torch.Tensor,
@@ -121,9 +117,9 @@ def vocab_parallel_stats(
                 logits[:, rows],
                 None,
                 vocab_start,
-                temperature=_rows(temperature, rows),
+                temperature=_math.block_rows(temperature, rows),
                 with_entropy=with_entropy,
-                row_max=_rows(row_max, rows),
+                row_max=_math.block_rows(row_max, rows),
                 eager=True,
                 workspace=workspace,
                 spare=spare,
@@ -189,16 +185,17 @@ def vocab_parallel_stats_backward(
             log_total[:, rows],
             vocab_start,
             ignore_index,
-            temperature=_rows(temperature, rows),
-            grad_entropy=_rows(grad_entropy, rows),
-            entropy=_rows(entropy, rows),
-            threshold=_rows(threshold, rows),
+            temperature=_math.block_rows(temperature, rows),
+            grad_entropy=_math.block_rows(grad_entropy, rows),
+            entropy=_math.block_rows(entropy, rows),
+            threshold=_math.block_rows(threshold, rows),
             eager=True,
             workspace=out if in_grad else workspace,
             spare=spare,
         )
         if one_hot is not None:
-            block = _math.add_target_terms_(block, *(_rows(term, rows) for term in one_hot))
+            terms = (_math.block_rows(term, rows) for term in one_hot)
+            block = _math.add_target_terms_(block, *terms)
         if block is not out:
             out.copy_(block)
     return grad
@@ -337,7 +334,7 @@ def filtered_stats(
         _math.filtered_stats(
             logits[:, start : start + step],
             target[:, start : start + step],
-            _rows(temperature, slice(start, start + step)),
+            _math.block_rows(temperature, slice(start, start + step)),
             group_name,
             ignore_index,
             top_k=top_k,
