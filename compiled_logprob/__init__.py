@@ -15,6 +15,7 @@ from compiled_logprob.context_parallel import (
 )
 from compiled_logprob.core import (
     token_logprobs,
+    vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
     vocab_parallel_log_softmax,
     vocab_parallel_logsumexp,
@@ -33,6 +34,7 @@ from compiled_logprob.nemo_compat import (
     ChunkedDistributedGatherLogprob,
     ChunkedDistributedLogprob,
     ChunkedDistributedLogprobWithSampling,
+    DistributedCrossEntropy,
     DistributedLogprob,
     DistributedLogprobWithSampling,
     _compute_distributed_log_softmax,
@@ -56,6 +58,7 @@ __all__ = [
     "ChunkedDistributedGatherLogprob",
     "ChunkedDistributedLogprob",
     "ChunkedDistributedLogprobWithSampling",
+    "DistributedCrossEntropy",
     "DistributedLogprob",
     "DistributedLogprobWithSampling",
     "_compute_distributed_log_softmax",
@@ -79,6 +82,7 @@ __all__ = [
     "packed_context_parallel_logprobs",
     "shard_for_context_parallel",
     "token_logprobs",
+    "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
     "vocab_parallel_log_softmax",
     "vocab_parallel_logsumexp",

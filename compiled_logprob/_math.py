@@ -140,6 +140,11 @@ def _into(workspace: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return workspace.copy_(z)
 
 
+def _into_or_fresh(workspace: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
+    """``z`` in fp32: copied into ``workspace`` when given, else a fresh copy."""
+    return z.float() if workspace is None else _into(workspace, z)
+
+
 def _mixture_entropy(
     log_weights: torch.Tensor, entropies: torch.Tensor, dim: int
 ) -> torch.Tensor:
@@ -236,7 +241,7 @@ def _shifted_stats(
     if eager and x.dtype != torch.float32:
         # ATen reduces a 16-bit inner dimension several times slower than an fp32 one:
         # convert the block first (into the workspace when given) and work on it in place.
-        x = workspace = logits.float() if workspace is None else _into(workspace, logits)
+        x = workspace = _into_or_fresh(workspace, logits)
     if row_max is None:
         row_max = x.amax(-1, keepdim=True) if eager else _row_max(x)
     x_max = row_max.float()
@@ -616,6 +621,140 @@ def _nucleus_threshold(x: torch.Tensor, probs: torch.Tensor, top_p: float) -> to
         span = low
     row_min = _ordered_key(x.amin(-1, keepdim=True).view(torch.int32))
     return _ordered_key(torch.maximum(bucket.int(), row_min)).view(torch.float32)
+
+
+def cross_entropy_stats(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    *,
+    eager: bool = False,
+    workspace: torch.Tensor | None = None,
+    spare: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This shard's statistics for :func:`exchange_cross_entropy`, fp32 ``[B, S, 5]``:
+    ``[max x, Σ exp(u), max y, Σ exp(v), Σ exp(v) · (−u)]`` of the logits ``x`` and the target
+    logits ``y`` (``[B, S, V_local]`` each), with ``u = (x − max x) / T`` and
+    ``v = (y − max y) / T`` (each max taken as 0 where it is infinite, as
+    :func:`_finite_or_zero` does), exponentiated in :func:`_unit`'s units.
+
+    The last sum's terms are non-negative and 0 wherever ``exp(v)`` is 0: vocabulary padding
+    (``-inf`` in both) adds 0, while target mass on a ``-inf`` logit makes the sum, and the
+    cross-entropy, ``inf``. Traced, one pass over both inputs; ``eager``, in place in the
+    fp32 blocks ``workspace`` and ``spare`` when given, as :func:`local_stats`.
+    """
+    x, y = _promoted(logits), _promoted(target_logits)
+    # As _shifted_stats: ATen reduces 16-bit rows slowly, so eager blocks are converted
+    # first; the target's only for its max, since spare holds exp(u) before its turn.
+    if eager and x.dtype != torch.float32:
+        x = workspace = _into_or_fresh(workspace, x)
+    y_for_max = _into_or_fresh(spare, y) if eager and y.dtype != torch.float32 else y
+    x_max, y_max = (
+        (t.amax(-1, keepdim=True) if eager else _row_max(t)).float() for t in (x, y_for_max)
+    )
+    unit = _unit(eager)
+    (scale,) = _per_row(eager, _exponent_scale(temperature, unit))
+    exp_op = _exp_op(eager)
+    centred = _scaled(eager, _minus(x, _finite_or_zero(x_max), workspace), scale)
+    # spare holds exp(u) until its sum is taken, then the target's exponentials.
+    total = getattr(torch, exp_op)(centred, out=spare)
+    total = total.sum(-1, keepdim=True) if eager else _row_sum(total, ENTROPY_SLICES)
+    target_exps = _inplace(
+        eager, _scaled(eager, _minus(y, _finite_or_zero(y_max), spare), scale), exp_op
+    )
+    if eager:
+        # −u · exp(v) is NaN only where exp(v) = 0 and u = -inf: a term that is 0 (a NaN
+        # logit still gives NaN, through the maxima).
+        gaps = -centred.mul_(target_exps).nansum(-1, keepdim=True)
+        target_total = target_exps.sum(-1, keepdim=True)
+    else:
+        gaps = torch.where(target_exps == 0, 0.0, target_exps * -centred)
+        gaps, target_total = _row_sum(gaps, ENTROPY_SLICES), _row_sum(target_exps, ENTROPY_SLICES)
+    return torch.cat([x_max, total, y_max, target_total, gaps * unit], dim=-1)
+
+
+def exchange_cross_entropy(
+    stats: torch.Tensor, group_name: str | None, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-gather :func:`cross_entropy_stats` (the one collective) and merge every rank's into
+    ``(shift, log_total, target_shift, target_log_total, cross_entropy)``, fp32 ``[B, S]``
+    each: ``lse = shift / T + log_total`` of the logits, the same of the target logits, and
+    ``H(p, q) = −Σ p log q`` with ``p = softmax(y / T)`` and ``q = softmax(x / T)``.
+
+    ``H(p, q) = log_total + Σ p · (shift − x) / T``: both terms are non-negative (each shard's
+    part of the second is its own sum of gaps to its own max, rescaled to the common shifts,
+    plus its target mass times the distance between its max and the global one), so nothing
+    cancels however large the logits are.
+    """
+    gathered = gather_ranks(stats, group_name)
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+
+    def merged(row_max: torch.Tensor, sum_exp: torch.Tensor):
+        # As in exchange_stats: a -inf shard's factor is exp(-inf) = 0.
+        shift = _finite_or_zero(row_max.amax(0))
+        factor = torch.exp((row_max - shift) * inverse_t)
+        return shift, sum_exp * factor, factor
+
+    shift, mass, _ = merged(gathered[..., 0], gathered[..., 1])
+    target_shift, target_mass, target_factor = merged(gathered[..., 2], gathered[..., 3])
+    target_total = target_mass.sum(0)
+    climb = (shift - _finite_or_zero(gathered[..., 0])) * inverse_t
+    gaps = gathered[..., 4] * target_factor + torch.where(target_mass == 0, 0.0, target_mass * climb)
+    log_total = torch.log(mass.sum(0))
+    cross_entropy = log_total + gaps.sum(0) / target_total
+    return shift, log_total, target_shift, torch.log(target_total), cross_entropy
+
+
+def grad_cross_entropy(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    shift: torch.Tensor,
+    log_total: torch.Tensor,
+    target_shift: torch.Tensor,
+    target_log_total: torch.Tensor,
+    cross_entropy: torch.Tensor,
+    *,
+    wrt_target: bool,
+    eager: bool = False,
+    workspace: torch.Tensor | None = None,
+    spare: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``g · dH(p, q)``, fp32 ``[B, S, V_local]``, with respect to the logits,
+    ``g · (q − p) / T``, or (``wrt_target``) the target logits,
+    ``g · p · (−log q − H) / T``; no collective. ``p`` is 0 where ``y`` is ``-inf``, and so
+    is the target gradient there, even where ``−log q`` is ``inf``. ``eager``: in place in
+    the fp32 blocks ``workspace`` (which the result is) and ``spare`` when given.
+
+    Each exponential is scaled by its own per-row factor, ``g`` included, rather than ``g``
+    scaling ``q − p``: traced, a ``[B, S, V_local]`` term free of ``g`` would let the
+    partitioner compute it in the forward and save it (one buffer instead of two inputs),
+    so the forward would write a gradient-sized buffer and, for 16-bit logits, save twice
+    their bytes.
+    """
+    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    row_scale = grad * inverse_t
+    unit = _unit(eager)
+    exp_op = _exp_op(eager)
+
+    def exps(z, rows_shift, log_norm, factor, buffer):  # e^((z − shift) / T − log_norm) · factor
+        scale, coefficient = _per_row(
+            eager, _exponent_scale(temperature, unit), factor * torch.exp(-log_norm)
+        )
+        exponents = _scaled(eager, _minus(_promoted(z), rows_shift.unsqueeze(-1), buffer), scale)
+        return _inplace(eager, _inplace(eager, exponents, exp_op), "mul", coefficient)
+
+    if not wrt_target:
+        q_terms = exps(logits, shift, log_total, row_scale, workspace)
+        p_terms = exps(target_logits, target_shift, target_log_total, row_scale, spare)
+        return _inplace(eager, q_terms, "sub", p_terms)
+    # g · p · (−log q − H) / T = g · p / T · (log_total − H − u), u = (x − shift) / T in nats.
+    inverse_rows, offset = _per_row(eager, inverse_t, log_total - cross_entropy)
+    surprise = _scaled(eager, _minus(_promoted(logits), shift.unsqueeze(-1), workspace), inverse_rows)
+    surprise = _inplace(eager, _inplace(eager, surprise, "neg"), "add", offset)
+    p_terms = exps(target_logits, target_shift, target_log_total, row_scale, spare)
+    return _inplace(eager, _inplace(eager, surprise, "mul", p_terms), "masked_fill", p_terms == 0, 0.0)
 
 
 def gather_ranks(stats: torch.Tensor, group_name: str | None) -> torch.Tensor:

@@ -20,6 +20,14 @@ Custom ops carry all the vocab-parallel math, with ``z = logits / temperature``:
   (``_math.filtered_stats``): one all-to-all of the logits to whole rows and one all-gather
   of per-row statistics (per chunk in eager). Its backward is the one above.
 
+* ``compiled_logprob::cross_entropy_stats(logits, target_logits, temperature, *, group_name,
+  chunk_size) -> (shift, log_total, target_shift, target_log_total, cross_entropy)``: the
+  cross-entropy ``H(p, q)`` ``[B, S]`` of ``p = softmax(target_logits / T)`` relative to
+  ``q = softmax(logits / T)`` (a distillation loss), with the per-row statistics of both
+  softmaxes (``_math.exchange_cross_entropy``): one all-gather of ``[B, S, 5]``. Its backward,
+  ``compiled_logprob::cross_entropy_backward``, gives either input's gradient, with no
+  collective.
+
 Eager kernels walk the sequence in blocks (of at most ``chunk_size`` positions when it is
 given) so that no temporary outgrows a block. Under Inductor both ops decompose into the
 loop-free math of ``_math``, each becoming one fused pass over the logits that keeps no
@@ -391,3 +399,122 @@ def _decompose_filtered(
     return _math.filtered_stats(
         logits, target, temperature, group_name, ignore_index, top_k=top_k, top_p=top_p
     )
+
+
+@torch.library.custom_op("compiled_logprob::cross_entropy_stats", mutates_args=())
+def cross_entropy_stats(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    *,
+    group_name: str | None,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    stats = torch.cat(
+        [
+            _math.cross_entropy_stats(
+                logits[:, rows],
+                target_logits[:, rows],
+                _math.block_rows(temperature, rows),
+                eager=True,
+                workspace=workspace,
+                spare=spare,
+            )
+            for rows, workspace, spare in _seq_blocks(logits, chunk_size, spare=True)
+        ],
+        dim=1,
+    )
+    return _math.exchange_cross_entropy(stats, group_name, temperature)
+
+
+@cross_entropy_stats.register_fake
+def _(logits, target_logits, temperature, **options):
+    row = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    return tuple(torch.empty_like(row) for _ in range(5))
+
+
+@torch.library.custom_op("compiled_logprob::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    shift: torch.Tensor,
+    log_total: torch.Tensor,
+    target_shift: torch.Tensor,
+    target_log_total: torch.Tensor,
+    cross_entropy: torch.Tensor,
+    *,
+    wrt_target: bool,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    wrt = target_logits if wrt_target else logits
+    out = torch.empty_like(wrt, memory_format=torch.contiguous_format)
+    # As vocab_parallel_stats_backward: each block is formed in place in fp32, in the
+    # gradient itself when it is fp32.
+    in_out = out.dtype == torch.float32
+    stats = (shift, log_total, target_shift, target_log_total, cross_entropy)
+    for rows, workspace, spare in _seq_blocks(logits, chunk_size, workspace=not in_out, spare=True):
+        out_block = out[:, rows]
+        block = _math.grad_cross_entropy(
+            grad[:, rows],
+            logits[:, rows],
+            target_logits[:, rows],
+            _math.block_rows(temperature, rows),
+            *(_math.block_rows(row, rows) for row in stats),
+            wrt_target=wrt_target,
+            eager=True,
+            workspace=out_block if in_out else workspace,
+            spare=spare,
+        )
+        if block is not out_block:
+            out_block.copy_(block)
+    return out
+
+
+@cross_entropy_backward.register_fake
+def _(grad, logits, target_logits, *rest, wrt_target, **options):
+    wrt = target_logits if wrt_target else logits
+    return torch.empty_like(wrt, memory_format=torch.contiguous_format)
+
+
+def _setup_cross_entropy(ctx, inputs, keyword_only_inputs, output):
+    logits, target_logits, temperature = inputs
+    shift, log_total, target_shift, target_log_total, _ = output
+    # Only the cross-entropy is an output of the public function; the others are its
+    # per-row statistics, saved for backward.
+    ctx.mark_non_differentiable(shift, log_total, target_shift, target_log_total)
+    ctx.save_for_backward(logits, target_logits, temperature, *output)
+    ctx.chunk_size = keyword_only_inputs["chunk_size"]
+
+
+def _cross_entropy_backward(ctx, _, __, ___, ____, grad):
+    logits, target_logits, *saved = ctx.saved_tensors
+    grads = [
+        cross_entropy_backward(
+            grad, logits, target_logits, *saved, wrt_target=wrt_target, chunk_size=ctx.chunk_size
+        )
+        if needed
+        else None
+        for wrt_target, needed in zip((False, True), ctx.needs_input_grad[:2])
+    ]
+    return *grads, None
+
+
+cross_entropy_stats.register_autograd(_cross_entropy_backward, setup_context=_setup_cross_entropy)
+
+
+@register_decomposition(torch.ops.compiled_logprob.cross_entropy_stats.default)
+def _decompose_cross_entropy(logits, target_logits, temperature, *, group_name, chunk_size):
+    stats = _math.cross_entropy_stats(logits, target_logits, temperature)
+    return _math.exchange_cross_entropy(stats, group_name, temperature)
+
+
+@register_decomposition(torch.ops.compiled_logprob.cross_entropy_backward.default)
+def _decompose_cross_entropy_backward(
+    grad, logits, target_logits, temperature, *stats, wrt_target, chunk_size
+):
+    gradient = _math.grad_cross_entropy(
+        grad, logits, target_logits, temperature, *stats, wrt_target=wrt_target
+    )
+    return gradient.to((target_logits if wrt_target else logits).dtype)

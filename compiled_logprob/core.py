@@ -26,6 +26,7 @@ from compiled_logprob import _math, _ops
 
 __all__ = [
     "token_logprobs",
+    "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
     "vocab_parallel_log_softmax",
     "vocab_parallel_logsumexp",
@@ -463,6 +464,54 @@ def vocab_parallel_entropy(
         logits, None, group=group, chunk_size=chunk_size, temperature=temperature, with_entropy=True
     )
     return entropy
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Cross-entropy of the target logits' distribution relative to the logits', over the full
+    (sharded) vocabulary, fp32 ``[..., S]``: a distillation loss (the forward KL from the
+    target's distribution up to that distribution's entropy, a constant for the student).
+
+    Eager equivalent: ``-(torch.softmax(full_target.float() / temperature, -1) * torch.log_softmax(full_logits.float() / temperature, -1)).sum(-1)``.
+
+    Args:
+        logits: ``[..., S, V_local]``, the student's logits on this rank's vocabulary slice.
+        target_logits: the same shape, sharded the same way: the teacher's logits (any
+            floating dtype; both are read in fp32).
+        group: the vocab-parallel group; ``None`` (or size 1): the vocabulary is not sharded.
+        chunk_size: sequence positions per eager block (bounds the temporaries).
+        temperature: both softmaxes are of ``logits / temperature``; a float or a tensor that
+            broadcasts to ``[..., S]``, as in :func:`token_logprobs`.
+
+    Differentiable with respect to both inputs (detach ``target_logits`` for a fixed
+    teacher: no gradient is computed for it then). One all-gather of ``[..., S, 5]``
+    statistics; the backward is one elementwise pass per input, with no collective. The
+    result stays accurate for logits ×1000 (its two parts are non-negative sums); it is
+    ``inf`` where the target puts mass on a ``-inf`` logit, and NaN for a NaN logit.
+    """
+    _validate_logits(logits, chunk_size)
+    _validate_logits(target_logits, chunk_size)
+    if target_logits.shape != logits.shape or target_logits.device != logits.device:
+        raise ValueError(
+            f"target_logits ({tuple(target_logits.shape)} on {target_logits.device}) must have "
+            f"the logits' shape {tuple(logits.shape)} and device {logits.device}: the same "
+            "positions and vocabulary shard"
+        )
+    rows_shape = logits.shape[:-1]
+    *_, cross_entropy = _ops.cross_entropy_stats(
+        _as_batch(logits, 2),
+        _as_batch(target_logits, 2),
+        _temperature_rows(temperature, rows_shape, logits.device),
+        group_name=_group_name(group),
+        chunk_size=None if chunk_size is None else _as_int(chunk_size, "chunk_size"),
+    )
+    return cross_entropy.view(rows_shape)
 
 
 def _check_topk(k: int, vocab_start: int, width: int) -> None:

@@ -245,6 +245,31 @@ class ChunkedDistributedEntropy:
         )
 
 
+class DistributedCrossEntropy:
+    """Drop-in for NeMo-RL's ``DistributedCrossEntropy``: the soft-target cross-entropy
+    ``H(p_target, q_student)`` of a distillation loss; see
+    :func:`compiled_logprob.vocab_parallel_cross_entropy`. As NeMo-RL, no gradient reaches
+    ``target_logits``."""
+
+    @staticmethod
+    def apply(
+        student_logits: torch.Tensor,
+        target_logits: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        inference_only: bool = False,
+    ) -> torch.Tensor:
+        """fp32 ``[B, S]`` ``−Σ_v p_v log q_v`` over the full vocabulary, from ``[B, S, V_local]``
+        student and target logits; differentiable in the student's unless ``inference_only``."""
+        if inference_only:
+            student_logits = student_logits.detach()
+        return core.vocab_parallel_cross_entropy(
+            student_logits, target_logits.detach(), group=group
+        )
+
+
+__all__ += ["DistributedCrossEntropy"]
+
+
 # Context parallelism, packed sequences and DTensor entry points.
 
 __all__ += [

@@ -180,6 +180,16 @@ def _chunked_distributed_logprob_with_sampling(logits, target, start, end, group
     return cl.ChunkedDistributedLogprobWithSampling.apply(logits, target, group, -1, 0.8, CHUNK)
 
 
+def _cross_entropy(logits, target, start, end, group):
+    # Target logits from the same leaf: its gradient holds both inputs' parts.
+    teacher = 0.5 * logits + 1.0
+    return cl.vocab_parallel_cross_entropy(logits, teacher, group=group, temperature=0.7)
+
+
+def _distributed_cross_entropy(logits, target, start, end, group):
+    return cl.DistributedCrossEntropy.apply(logits, logits.detach().flip(1), group)
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -203,6 +213,8 @@ ENTRY_POINTS = {
         _gather_logits_at_global_indices,
         _token_logprobs_top_k_top_p,
         _chunked_distributed_logprob_with_sampling,
+        _cross_entropy,
+        _distributed_cross_entropy,
     )
 }
 # The raw logits at given ids sum the shards' in one all-reduce (its backward is each
@@ -257,6 +269,9 @@ def forward_backward(fn, logits: dict, target, start, end, group) -> dict:
 ATOL = {
     "token_logprobs_temperature_entropy": 8 * torch.finfo(torch.float32).eps * 20,
     "chunked_distributed_entropy": 8 * torch.finfo(torch.float32).eps * 20,
+    # Σ p · (shift − x) / T: ulps of |z| too, as the entropy's E[z].
+    "cross_entropy": 8 * torch.finfo(torch.float32).eps * 20,
+    "distributed_cross_entropy": 8 * torch.finfo(torch.float32).eps * 20,
 }
 
 
@@ -581,6 +596,8 @@ OPCHECK_CASES = {
 OPCHECKED_ELSEWHERE = {
     "compiled_logprob::lm_head_stats": "test_lm_head.py",
     "compiled_logprob::lm_head_stats_backward": "test_lm_head.py",
+    "compiled_logprob::cross_entropy_stats": "test_cross_entropy.py",
+    "compiled_logprob::cross_entropy_backward": "test_cross_entropy.py",
 }
 
 

@@ -22,11 +22,16 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import test_tp_numerics as numerics
-from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp_group
+from test_tp_numerics import (
+    DTYPES,
+    IGNORE,
+    _assert_within,
+    _rank_and_size,
+    check_sharded_property,
+)
 
 import compiled_logprob as cl
 from compiled_logprob import _math
-from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_entropy,
     oracle_log_softmax,
@@ -487,12 +492,8 @@ def _cases(draw, world: int) -> tuple[Case, int]:
 
 
 def _check_property(max_examples: int) -> None:
-    """The Hypothesis property, on every rank of the pool (a worker task)."""
-    property_in_lockstep(
-        _cases(dist.get_world_size()),
-        lambda drawn: _check_case(drawn[0], _tp_group(drawn[1])),
-        max_examples=max_examples,
-    )
+    # A module-level task for the workers (Hypothesis' composite strategies do not pickle).
+    check_sharded_property(_cases, _check_case, max_examples)
 
 
 def test_property(gloo_pool):

@@ -23,13 +23,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_context_parallel import BATCH, _layout, _ref_shard, _ref_shard_packed
 from test_errors import SamplingParams
-from test_tp_numerics import DTYPES, IGNORE, _assert_within, _rank_and_size, _tp_group
+from test_tp_numerics import (
+    DTYPES,
+    IGNORE,
+    _assert_within,
+    _rank_and_size,
+    check_sharded_property,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compiled_logprob as cl
 from compiled_logprob import _math
 from compiled_logprob import context_parallel as cp_api
-from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import oracle_filtered_log_softmax
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -331,11 +336,8 @@ def _cases(draw, world: int) -> tuple[Case, int]:
 
 
 def _check_property(max_examples: int) -> None:
-    property_in_lockstep(
-        _cases(dist.get_world_size()),
-        lambda drawn: _check_case(drawn[0], _tp_group(drawn[1])),
-        max_examples=max_examples,
-    )
+    # A module-level task for the workers (Hypothesis' composite strategies do not pickle).
+    check_sharded_property(_cases, _check_case, max_examples)
 
 
 def test_property(gloo_pool):

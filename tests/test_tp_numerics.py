@@ -297,6 +297,17 @@ def _tp_group(tp: int) -> dist.ProcessGroup:
     return _TP_GROUPS[tp]
 
 
+def check_sharded_property(cases, check_case, max_examples: int) -> None:
+    """A Hypothesis property in lockstep on every rank of the pool (a worker task):
+    ``cases(world_size)`` draws ``(case, tp)``, and ``check_case(case, group)`` runs on the
+    pool's TP subgroup of that size."""
+    property_in_lockstep(
+        cases(dist.get_world_size()),
+        lambda drawn: check_case(drawn[0], _tp_group(drawn[1])),
+        max_examples=max_examples,
+    )
+
+
 def _property_example(drawn: tuple[Case, int]) -> None:
     case, tp = drawn
     _check_case(case, _tp_group(tp))

@@ -7,7 +7,8 @@
   all-reduce the max, subtract, all-reduce the sum of exps, take the log-softmax, gather the
   targets (masked to 0 off-shard), all-reduce, and save the fp32 softmax for backward. It is
   the baseline the benchmarks measure against, in its own words here so that ``perf/``
-  needs nothing outside this package.
+  needs nothing outside this package. ``SeedDistributedCrossEntropy`` is its distillation
+  counterpart (NeMo-RL's ``DistributedCrossEntropy``).
 
 Shape legend: ``B`` batch, ``S`` sequence, ``V`` full vocabulary, ``V_local`` one shard.
 """
@@ -19,8 +20,10 @@ import torch.distributed as dist
 
 __all__ = [
     "SeedChunkedDistributedLogprob",
+    "SeedDistributedCrossEntropy",
     "SeedDistributedLogprob",
     "SeedLogprobWithSampling",
+    "oracle_cross_entropy",
     "oracle_entropy",
     "oracle_filtered_log_softmax",
     "oracle_log_softmax",
@@ -82,6 +85,17 @@ def oracle_entropy(
     log_softmax = oracle_log_softmax(full_logits, temperature)
     probs = log_softmax.exp()
     return -(probs * torch.where(probs > 0, log_softmax, 0.0)).sum(-1)
+
+
+def oracle_cross_entropy(
+    full_logits: torch.Tensor, full_target_logits: torch.Tensor, temperature=1.0
+) -> torch.Tensor:
+    """``−Σ softmax(y / T) · log_softmax(x / T)`` in float64, ``[..., S]``; a target id of
+    probability 0 adds 0 (also at a ``-inf`` logit, where the masked ``log q`` keeps the
+    gradient finite)."""
+    p = torch.softmax(_scaled(full_target_logits, temperature), -1)
+    log_q = torch.where(p == 0, 0.0, torch.log_softmax(_scaled(full_logits, temperature), -1))
+    return -(p * log_q).sum(-1)
 
 
 def oracle_topk(
@@ -210,6 +224,28 @@ class SeedChunkedDistributedLogprob(torch.autograd.Function):
             )
             grad[:, rows] = chosen.float().sub_(softmax).mul_(grad_output[:, rows].unsqueeze(-1))
         return grad, None, None, None, None, None, None
+
+
+class SeedDistributedCrossEntropy(torch.autograd.Function):
+    """The seed algorithm's soft-target cross-entropy ``−Σ p log q``: fp32 copies of both
+    shards, the teacher's softmax and the student's log-softmax over the full vocabulary
+    (two all-reduces each), a per-row dot product, an all-reduce; saves ``p`` and ``q``, two
+    fp32 ``[B, S, V_local]`` buffers, for the backward ``g · (q − p)``."""
+
+    @staticmethod
+    def forward(ctx, logits, target_logits, group, inference_only=False):
+        p = _seed_log_softmax(target_logits.float(), group).exp_()
+        log_q = _seed_log_softmax(logits.float(), group)
+        cross_entropy = torch.einsum("...v,...v->...", p, log_q).neg_()
+        _all_reduce(cross_entropy, dist.ReduceOp.SUM, group)
+        if not inference_only:
+            ctx.save_for_backward(p, log_q.exp_())
+        return cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        p, q = ctx.saved_tensors
+        return (q - p) * grad_output.unsqueeze(-1), None, None, None
 
 
 class SeedLogprobWithSampling(torch.autograd.Function):
