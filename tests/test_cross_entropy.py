@@ -27,6 +27,7 @@ from test_tp_numerics import (
     _assert_within,
     _rank_and_size,
     check_sharded_property,
+    run_cases,
 )
 
 import compiled_logprob as cl
@@ -139,19 +140,6 @@ def _check_case(case: Case, group) -> None:
         _assert_within(actual_grad, reference, bound, f"{where}: grad {name}")
 
 
-def _check_cases(cases: list[Case]) -> None:
-    group = dist.group.WORLD if dist.is_initialized() else None
-    for case in cases:
-        _check_case(case, group)
-
-
-def _run(gloo_pool, world: int, cases: list[Case]) -> None:
-    if world == 1:
-        _check_cases(cases)
-    else:
-        gloo_pool(world).run(_check_cases, cases)
-
-
 CASES = [
     Case(),
     Case(lead=(), seq=1, vocab=7),
@@ -171,7 +159,7 @@ CASES = [
 def test_matches_oracle(gloo_pool, world):
     """Odd shapes (V = 1003 over uneven shards, S = 13, B = 1, 2-D and 4-D inputs), fp32,
     bf16, fp16, logits ×1000, -inf vocabulary padding (a whole shard at TP = 3), NaN."""
-    _run(gloo_pool, world, CASES)
+    run_cases(gloo_pool, world, _check_case, CASES)
 
 
 def test_special_values():

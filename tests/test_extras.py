@@ -28,6 +28,7 @@ from test_tp_numerics import (
     _assert_within,
     _rank_and_size,
     check_sharded_property,
+    run_cases,
 )
 
 import compiled_logprob as cl
@@ -248,19 +249,6 @@ def _check_case(case: Case, group) -> None:
     _assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")
 
 
-def _check_cases(cases: list[Case]) -> None:
-    group = dist.group.WORLD if dist.is_initialized() else None
-    for case in cases:
-        _check_case(case, group)
-
-
-def _run(gloo_pool, world: int, cases: list[Case]) -> None:
-    if world == 1:
-        _check_cases(cases)  # group=None in this process: no torch.distributed
-    else:
-        gloo_pool(world).run(_check_cases, cases)
-
-
 # ---------------------------------------------------------------------------------------
 # Tests
 
@@ -278,7 +266,7 @@ def test_temperature(gloo_pool, world):
         Case(api="vocab_parallel_entropy", temperature="position", dtype="fp16", seed=6),
         Case(api="vocab_parallel_topk", k=5, temperature="position", seed=7),
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -298,7 +286,7 @@ def test_entropy(gloo_pool, world):
         dataclasses.replace(entropy, special="nan_row", seed=17),
         Case(entropy=True, special="nan_row", temperature="row", seed=18),
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -311,7 +299,7 @@ def test_ignore_index_with_entropy(gloo_pool, world):
         Case(ignore=True, entropy=True, special="inf_shard", seed=23),
         Case(ignore=True, entropy=True, special="nan_row", seed=24),  # the NaN row ignored
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -324,7 +312,7 @@ def test_k_ids(gloo_pool, world):
         Case(k=4, entropy=True, temperature="row", chunk=5, seed=33),
         Case(k=2, lead=(), scale=1000.0, seed=34),
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -342,7 +330,7 @@ def test_topk(gloo_pool, world):
         dataclasses.replace(topk, k=2, vocab=3 * 300 + 1, dtype="bf16", seed=46),
         dataclasses.replace(topk, k=8, vocab=4 * 8 * 32 + 17, special="inf_shard", seed=47),
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @settings(max_examples=60, deadline=None)
@@ -417,7 +405,7 @@ def test_chunked(gloo_pool, chunk):
         Case(api="vocab_parallel_entropy", temperature="row", dtype="bf16", chunk=chunk, seed=51),
         Case(api="vocab_parallel_topk", k=4, temperature="position", chunk=chunk, seed=52),
     ]
-    _run(gloo_pool, 3, cases)
+    run_cases(gloo_pool, 3, _check_case, cases)
 
 
 @pytest.mark.parametrize(

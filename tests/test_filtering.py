@@ -29,6 +29,7 @@ from test_tp_numerics import (
     _assert_within,
     _rank_and_size,
     check_sharded_property,
+    run_cases,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -201,19 +202,6 @@ def _check_case(case: Case, group) -> None:
     )
 
 
-def _check_cases(cases: list[Case]) -> None:
-    group = dist.group.WORLD if dist.is_initialized() else None
-    for case in cases:
-        _check_case(case, group)
-
-
-def _run(gloo_pool, world: int, cases: list[Case]) -> None:
-    if world == 1:
-        _check_cases(cases)
-    else:
-        gloo_pool(world).run(_check_cases, cases)
-
-
 # ---------------------------------------------------------------------------------------
 # Tests
 
@@ -224,7 +212,7 @@ FILTERS = [(20, 1.0), (None, 0.9), (50, 0.7), (1, 1.0), (None, 0.2), (5, 0.999)]
 def test_filters(gloo_pool, world):
     """Top-k alone, top-p alone and both; k = 1 (greedy); B·S not divisible by TP (26 rows)."""
     cases = [Case(top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(FILTERS)]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @pytest.mark.parametrize("world", (1, 2, 3))
@@ -245,7 +233,7 @@ def test_dtypes_scales_and_edges(gloo_pool, world):
         Case(top_k=6, width=500, special="ties", seed=19),
         Case(top_k=6, top_p=0.9, width=500, special="ties", seed=29),
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @pytest.mark.parametrize("world", (1, 2, 3))
@@ -262,7 +250,7 @@ def test_options(gloo_pool, world):
         Case(top_k=None, top_p=0.8, chunk=5, api="DistributedLogprobWithSampling", seed=27),
         Case(top_k=-1, top_p=0.8, api="DistributedLogprobWithSampling", seed=28),
     ]
-    _run(gloo_pool, world, cases)
+    run_cases(gloo_pool, world, _check_case, cases)
 
 
 @settings(max_examples=100, deadline=None)

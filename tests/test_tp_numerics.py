@@ -297,6 +297,23 @@ def _tp_group(tp: int) -> dist.ProcessGroup:
     return _TP_GROUPS[tp]
 
 
+def _check_in_world_group(check_case, cases: list) -> None:
+    """``check_case(case, group)`` for each case, on the world group (a pool's worker task),
+    or with ``group=None`` where torch.distributed is not initialised."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    for case in cases:
+        check_case(case, group)
+
+
+def run_cases(gloo_pool, world: int, check_case, cases: list) -> None:
+    """:func:`_check_in_world_group` on ``world`` ranks: TP = 1 in this process (no
+    torch.distributed), else on the session's gloo pool of that size."""
+    if world == 1:
+        _check_in_world_group(check_case, cases)
+    else:
+        gloo_pool(world).run(_check_in_world_group, check_case, cases)
+
+
 def check_sharded_property(cases, check_case, max_examples: int) -> None:
     """A Hypothesis property in lockstep on every rank of the pool (a worker task):
     ``cases(world_size)`` draws ``(case, tp)``, and ``check_case(case, group)`` runs on the
