@@ -47,6 +47,7 @@ from compiled_logprob.nemo_compat import (
     from_parallel_logits_to_logprobs_packed_sequences,
     gather_logits_at_global_indices,
     get_logprobs_from_vocab_parallel_logits,
+    get_distillation_topk_logprobs_from_logits,
     get_next_token_logprobs_from_logits,
 )
 
@@ -74,6 +75,7 @@ __all__ = [
     "gather_context_parallel",
     "gather_logits_at_global_indices",
     "get_logprobs_from_vocab_parallel_logits",
+    "get_distillation_topk_logprobs_from_logits",
     "get_next_token_logprobs_from_logits",
     "lm_head_context_parallel_logprobs",
     "lm_head_packed_context_parallel_logprobs",

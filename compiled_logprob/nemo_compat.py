@@ -342,18 +342,8 @@ def gather_logits_at_global_indices(
             f"global_indices must be [B, S, K] with the logits' B, got "
             f"{tuple(global_indices.shape)} for logits {tuple(logits.shape)}"
         )
-    cp_size, _ = context_parallel._size_rank(cp_group)
     seq_len = global_indices.shape[1]
-    if cp_size > 1:
-        padding = logits.shape[1] * cp_size - seq_len
-        if padding < 0:
-            raise ValueError(
-                f"the logits hold {logits.shape[1]} positions on each of {cp_size} CP ranks, "
-                f"fewer than the {seq_len} of global_indices {tuple(global_indices.shape)}"
-            )
-        global_indices = context_parallel.shard_for_context_parallel(
-            F.pad(global_indices, (0, 0, 0, padding)), group=cp_group
-        )
+    global_indices = _cp_shard_positions(global_indices, logits, cp_group)
     # [x at each id where this shard owns it, else 0; 1.0 where it owns it]: summed over TP.
     local = _math.target_stats(logits, global_indices, start)
     group_name = core._group_name(tp_group)
@@ -364,10 +354,127 @@ def gather_logits_at_global_indices(
     # The sum's value, with each rank's gradient flowing to its own ids only (as in NeMo-RL,
     # whose all-reduce is not differentiated).
     picked = local + (total - local.detach())
-    picked = picked[..., : global_indices.shape[-1]]
-    if cp_size > 1:
-        picked = context_parallel.gather_context_parallel(picked, group=cp_group)[:, :seq_len]
-    return picked
+    return _cp_gather_positions(picked[..., : global_indices.shape[-1]], seq_len, cp_group)
+
+
+def _cp_shard_positions(
+    per_position: torch.Tensor, logits: torch.Tensor, cp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """This CP rank's load-balanced part of a natural-order ``[B, S, ...]`` tensor (ids), its
+    sequence zero-padded to the logits' ``S / CP`` positions times the CP size."""
+    cp_size, _ = context_parallel._size_rank(cp_group)
+    if cp_size == 1:
+        return per_position
+    seq_len = per_position.shape[1]
+    padding = logits.shape[1] * cp_size - seq_len
+    if padding < 0:
+        raise ValueError(
+            f"the logits hold {logits.shape[1]} positions on each of {cp_size} CP ranks, "
+            f"fewer than the {seq_len} of global_indices {tuple(per_position.shape)}"
+        )
+    padded = F.pad(per_position, (0, 0) * (per_position.dim() - 2) + (0, padding))
+    return context_parallel.shard_for_context_parallel(padded, group=cp_group)
+
+
+def _cp_gather_positions(
+    local: torch.Tensor, seq_len: int, cp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The inverse of :func:`_cp_shard_positions` for a result ``[B, S / CP, ...]``: every CP
+    rank's positions in natural order, the first ``seq_len`` (differentiable)."""
+    if context_parallel._size_rank(cp_group)[0] == 1:
+        return local
+    return context_parallel.gather_context_parallel(local, group=cp_group)[:, :seq_len]
+
+
+__all__ += ["get_distillation_topk_logprobs_from_logits"]
+
+
+def get_distillation_topk_logprobs_from_logits(
+    student_logits: torch.Tensor,
+    teacher_topk_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    zero_outside_topk: bool,
+    calculate_entropy: bool,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: dist.ProcessGroup | None = None,
+    context_parallel_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Drop-in for NeMo-RL's ``get_distillation_topk_logprobs_from_logits``: the student's and
+    the teacher's log-probs at the teacher's top-k ids, ``(student [B, S - 1, K], teacher
+    [B, S - 1, K], H_all)``, all fp32.
+
+    ``student_logits`` ``[B, S / CP, V_local]``: this rank's even vocabulary shard
+    ``[vocab_parallel_rank · V_local, …)`` with ``vocab_parallel_group``, a DTensor sharded on
+    the vocabulary over mesh axis ``"tp"`` (CP over its ``"cp"`` axis if any), or unsharded
+    ``[B, S / CP, V]``; load-balanced over ``context_parallel_group`` (the DTensor's
+    ``"cp"`` axis). ``teacher_topk_logits`` and ``teacher_topk_indices`` (global ids)
+    ``[B, S, K]`` are the teacher's at the same, unshifted, natural-order positions: the
+    last position is dropped from every output, none is rolled.
+
+    With ``zero_outside_topk``, the student's log-probs are over the full vocabulary (its
+    mass outside the top-k counts), and ``calculate_entropy`` adds ``H_all = Σ q log q``
+    ``[B, S - 1]``, the student's negative entropy, from the same pass; without, they are
+    renormalised over the K ids (``log_softmax`` of the student's logits there), and
+    ``calculate_entropy`` is refused (NeMo-RL fails on ``None`` there). The teacher's are
+    always renormalised over its K. Differentiable in the student's logits.
+    """
+    if teacher_topk_indices.dim() != 3 or teacher_topk_indices.shape[-1] == 0:
+        raise ValueError(
+            f"teacher_topk_indices must be [B, S, K] with K >= 1, got shape "
+            f"{tuple(teacher_topk_indices.shape)}"
+        )
+    if calculate_entropy and not zero_outside_topk:
+        raise ValueError(
+            "calculate_entropy=True needs zero_outside_topk=True: the entropy is of the "
+            "student's full-vocabulary distribution"
+        )
+    logits, start, group, cp_group = _student_layout(
+        student_logits, vocab_parallel_rank, vocab_parallel_group, context_parallel_group
+    )
+    ids = teacher_topk_indices.to(logits.device)
+    seq_len = ids.shape[1]
+    entropy = None
+    if zero_outside_topk:
+        local = _cp_shard_positions(ids, logits, cp_group)
+        student = core.token_logprobs(
+            logits, local, vocab_start=start, group=group, return_entropy=calculate_entropy
+        )
+        if calculate_entropy:
+            student, entropy = student
+            entropy = -_cp_gather_positions(entropy, seq_len, cp_group)[:, :-1]
+        student = _cp_gather_positions(student, seq_len, cp_group)
+    else:
+        student = gather_logits_at_global_indices(
+            logits, ids, group, cp_group,
+            vocab_start_index=start, vocab_end_index=start + logits.shape[-1],
+        ).log_softmax(-1)
+    teacher = teacher_topk_logits.to(student.device, torch.float32).log_softmax(-1)
+    return student[:, :-1], teacher[:, :-1], entropy
+
+
+def _even_shard_start(logits: torch.Tensor, vocab_parallel_rank: int | None) -> int:
+    """``vocab_parallel_rank · V_local``: where this rank's even vocabulary shard starts."""
+    if vocab_parallel_rank is None:
+        raise ValueError(
+            "vocab_parallel_rank must be given with vocab_parallel_group: this rank's "
+            "index in the vocab-parallel group, which holds vocabulary shard "
+            "[rank * V_local, (rank + 1) * V_local)"
+        )
+    return core._as_int(vocab_parallel_rank, "vocab_parallel_rank", minimum=0) * logits.shape[-1]
+
+
+def _student_layout(student_logits, vocab_parallel_rank, vocab_parallel_group, cp_group):
+    """``(logits, vocab_start, tp_group, cp_group)`` of the three layouts that
+    :func:`get_distillation_topk_logprobs_from_logits` takes."""
+    if vocab_parallel_group is not None:
+        start = _even_shard_start(student_logits, vocab_parallel_rank)
+        return student_logits, start, vocab_parallel_group, cp_group
+    if isinstance(student_logits, dtensor.DTensor):
+        start, _ = dtensor.vocab_shard_bounds(student_logits)
+        mesh = student_logits.device_mesh
+        cp_group = mesh.get_group("cp") if "cp" in (mesh.mesh_dim_names or ()) else None
+        return student_logits.to_local(), start, mesh.get_group("tp"), cp_group
+    return student_logits, 0, None, cp_group
 
 
 def _get_tokens_on_this_cp_rank(
@@ -593,19 +700,12 @@ def get_next_token_logprobs_from_logits(
     temporaries on every path (NeMo-RL uses it on the first only; the values are the same).
     ``sampling_params``' top-k/top-p filtering applies on every path."""
     if vocab_parallel_group is not None:
-        if vocab_parallel_rank is None:
-            raise ValueError(
-                "vocab_parallel_rank must be given with vocab_parallel_group: this rank's "
-                "index in the vocab-parallel group, which holds vocabulary shard "
-                "[rank * V_local, (rank + 1) * V_local)"
-            )
-        rank = core._as_int(vocab_parallel_rank, "vocab_parallel_rank", minimum=0)
-        width = next_token_logits.shape[-1]
+        start = _even_shard_start(next_token_logits, vocab_parallel_rank)
         return from_parallel_logits_to_logprobs(
             next_token_logits,
             input_ids,
-            rank * width,
-            (rank + 1) * width,
+            start,
+            start + next_token_logits.shape[-1],
             vocab_parallel_group,
             cp_group=context_parallel_group,
             chunk_size=chunk_size,

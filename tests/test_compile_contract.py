@@ -190,6 +190,15 @@ def _distributed_cross_entropy(logits, target, start, end, group):
     return cl.DistributedCrossEntropy.apply(logits, logits.detach().flip(1), group)
 
 
+def _get_distillation_topk_logprobs_from_logits(logits, target, start, end, group):
+    logits, _ = _even_shard(logits, group)
+    ids = torch.stack([target.clamp(min=0), (target.clamp(min=0) * 5 + 1) % VOCAB], dim=-1)
+    student, _, neg_entropy = cl.get_distillation_topk_logprobs_from_logits(
+        logits, ids.float(), ids, True, True, 0 if group is None else group.rank(), group
+    )
+    return torch.cat([student, neg_entropy.unsqueeze(-1)], dim=-1)
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -215,6 +224,7 @@ ENTRY_POINTS = {
         _chunked_distributed_logprob_with_sampling,
         _cross_entropy,
         _distributed_cross_entropy,
+        _get_distillation_topk_logprobs_from_logits,
     )
 }
 # The raw logits at given ids sum the shards' in one all-reduce (its backward is each
@@ -272,6 +282,7 @@ ATOL = {
     # Σ p · (shift − x) / T: ulps of |z| too, as the entropy's E[z].
     "cross_entropy": 8 * torch.finfo(torch.float32).eps * 20,
     "distributed_cross_entropy": 8 * torch.finfo(torch.float32).eps * 20,
+    "get_distillation_topk_logprobs_from_logits": 8 * torch.finfo(torch.float32).eps * 20,
 }
 
 

@@ -435,6 +435,69 @@ def _check_gather_logits(tp, cp, seed=0):
     )
 
 
+def _check_distillation(tp, cp, seed=3):
+    """NeMo-RL's ``get_distillation_topk_logprobs_from_logits`` on plain and DTensor student
+    logits: the student's log-probs at the teacher's K ids over the full vocabulary (with the
+    negative entropy) or renormalised over the K, the teacher's renormalised, all without the
+    last position; the student's gradient as the CP gather's backward sums it."""
+    mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
+    seq = 13 if cp < 4 else 11
+    # Without CP the logits hold the S positions; with it, S padded to a multiple of 2·CP.
+    local_len = seq if cp == 1 else 2 * -(-seq // (2 * cp))
+    gen = torch.Generator().manual_seed(seed)
+    full = 3 * torch.randn(BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (BATCH, seq, 3), generator=gen)
+    teacher = torch.randn(BATCH, seq, 3, generator=gen)
+    expected_teacher = torch.log_softmax(teacher.double(), -1)[:, :-1]
+    # DTensor shards the vocabulary as torch.chunk does: even shards, so VOCAB - 1 ids.
+    even = VOCAB - VOCAB % tp
+    for layout, zero_outside, entropy in itertools.product(
+        ("megatron", "dtensor", "unsharded"), (True, False), (True, False)
+    ):
+        if (entropy and not zero_outside) or (layout == "unsharded" and tp > 1):
+            continue
+        where = f"{layout} zero_outside_topk={zero_outside} entropy={entropy} tp{tp}xcp{cp}"
+        width = -(-even // tp) if layout != "unsharded" else VOCAB
+        vocab = even if layout != "unsharded" else VOCAB
+        start = min(vocab, tp_rank * width)
+        full_leaf = full[..., :vocab].clone().requires_grad_()
+        local = _ref_shard(full_leaf.detach(), cp_rank, cp, 1)[..., start : start + width]
+        local = local.float().clone().requires_grad_()
+        args = (local, teacher, ids % vocab, zero_outside, entropy)
+        if layout == "megatron":
+            out = nemo.get_distillation_topk_logprobs_from_logits(
+                *args, tp_rank, tp_group, cp_group
+            )
+        elif layout == "dtensor":
+            sharded = DTensor.from_local(local, mesh, [Shard(1), Shard(2)], run_check=False)
+            out = nemo.get_distillation_topk_logprobs_from_logits(sharded, *args[1:])
+        else:
+            out = nemo.get_distillation_topk_logprobs_from_logits(
+                *args, context_parallel_group=cp_group
+            )
+        student, teacher_logprobs, neg_entropy = out
+        torch.testing.assert_close(teacher_logprobs.double(), expected_teacher, msg=where)
+        log_q = torch.log_softmax(full_leaf[:, :seq], -1)
+        if zero_outside:
+            expected = log_q.gather(-1, ids % vocab)[:, :-1]
+        else:
+            expected = full_leaf[:, :seq].gather(-1, ids % vocab).log_softmax(-1)[:, :-1]
+        torch.testing.assert_close(student.double(), expected, rtol=1e-5, atol=1e-5, msg=where)
+        upstream, upstream_sum = _upstreams(student.shape, seed, tp_rank, cp_rank, cp)
+        loss, expected_loss = (student * upstream).sum(), (expected * upstream_sum).sum()
+        if entropy:
+            expected_neg = (log_q.exp() * log_q).sum(-1)[:, :-1]
+            torch.testing.assert_close(neg_entropy.double(), expected_neg, rtol=1e-5, atol=1e-5, msg=where)
+            loss, expected_loss = loss + neg_entropy.sum(), expected_loss + cp * expected_neg.sum()
+        else:
+            assert neg_entropy is None, where
+        loss.backward()
+        expected_loss.backward()
+        expected_grad = _ref_shard(full_leaf.grad, cp_rank, cp, 1)[..., start : start + width]
+        torch.testing.assert_close(local.grad.double(), expected_grad, rtol=1e-5, atol=1e-5, msg=where)
+
+
 def _check_edge_cases(tp, cp):
     """Empty input and ids that are never scored, under this grid's CP: S = 0 gives
     ``[B, 0]``; an empty packed row gives zeros; ``input_ids[..., 0]`` (in a packed row,
@@ -542,6 +605,7 @@ def _check_grid(tp, cp):
         _check_dtensor(tp, cp, api, 12 if cp < 4 else 16, chunk)
     _check_gather(tp, cp)
     _check_gather_logits(tp, cp)
+    _check_distillation(tp, cp)
     _check_edge_cases(tp, cp)
 
 

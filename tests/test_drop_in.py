@@ -234,3 +234,33 @@ def _raw_logits_against_full() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_raw_logit_helpers_match_full_logits(gloo_pool, world):
     gloo_pool(world).run(_raw_logits_against_full)
+
+
+def test_distillation_topk_logprobs_unsharded():
+    """Unsharded logits without CP: the student's log-probs at the teacher's ids over the full
+    vocabulary or renormalised over them, the teacher's renormalised, the last position
+    dropped; bad options are refused."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 6, 11, generator=gen)
+    ids = torch.randint(0, 11, (2, 6, 3), generator=gen)
+    teacher = torch.randn(2, 6, 3, generator=gen)
+    student, teacher_logprobs, neg_entropy = cl.get_distillation_topk_logprobs_from_logits(
+        logits, teacher, ids, True, True
+    )
+    log_q = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(student, log_q.gather(-1, ids)[:, :-1])
+    torch.testing.assert_close(teacher_logprobs, torch.log_softmax(teacher, -1)[:, :-1])
+    torch.testing.assert_close(neg_entropy, (log_q.exp() * log_q).sum(-1)[:, :-1])
+    renormalised, _, none = cl.get_distillation_topk_logprobs_from_logits(
+        logits, teacher, ids, False, False
+    )
+    torch.testing.assert_close(renormalised, logits.gather(-1, ids).log_softmax(-1)[:, :-1])
+    assert none is None
+    with pytest.raises(ValueError, match="calculate_entropy=True needs zero_outside_topk=True"):
+        cl.get_distillation_topk_logprobs_from_logits(logits, teacher, ids, False, True)
+    with pytest.raises(ValueError, match=r"K >= 1, got shape \(2, 6, 0\)"):
+        cl.get_distillation_topk_logprobs_from_logits(logits, teacher, ids[..., :0], True, False)
+    with pytest.raises(ValueError, match="vocab_parallel_rank must be given"):
+        cl.get_distillation_topk_logprobs_from_logits(
+            logits, teacher, ids, True, False, vocab_parallel_group=object()
+        )
