@@ -199,6 +199,27 @@ def _get_distillation_topk_logprobs_from_logits(logits, target, start, end, grou
     return torch.cat([student, neg_entropy.unsqueeze(-1)], dim=-1)
 
 
+def _vocab_parallel_gather_columns(logits, target, start, end, group):
+    logits, _ = _even_shard(logits, group)
+    return cl.vocab_parallel_gather_columns(logits, torch.tensor([0, 7, VOCAB - 1]), tp_group=group)
+
+
+def _vocab_parallel_argmax(logits, target, start, end, group):
+    # Not differentiable: no backward graph, no gradient.
+    logits, _ = _even_shard(logits, group)
+    return cl.vocab_parallel_argmax(logits, tp_group=group).float()
+
+
+def _group_all_reduce_sum_with_grad(logits, target, start, end, group):
+    # A per-row sum: the same shape on every rank, whatever its shard's width.
+    return cl.group_all_reduce_sum_with_grad(logits.sum(-1), group)
+
+
+def _cp_shift_next(logits, target, start, end, group):
+    # Any group works as the CP group of contiguous shards of one shape.
+    return cl.cp_shift_next(logits.sum(-1, keepdim=True), group, fill=0.0)
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -225,6 +246,10 @@ ENTRY_POINTS = {
         _cross_entropy,
         _distributed_cross_entropy,
         _get_distillation_topk_logprobs_from_logits,
+        _vocab_parallel_gather_columns,
+        _vocab_parallel_argmax,
+        _group_all_reduce_sum_with_grad,
+        _cp_shift_next,
     )
 }
 # The raw logits at given ids sum the shards' in one all-reduce (its backward is each
@@ -236,6 +261,8 @@ FILTERED = {
 }
 FORWARD_COLLECTIVES = {
     "gather_logits_at_global_indices": {"_c10d_functional::all_reduce": 1},
+    "vocab_parallel_gather_columns": {"_c10d_functional::all_reduce": 1},
+    "group_all_reduce_sum_with_grad": {"_c10d_functional::all_reduce": 1},
     "token_logprobs_top_k_top_p": FILTERED,
     "chunked_distributed_logprob_with_sampling": FILTERED,
 }

@@ -264,3 +264,77 @@ def test_distillation_topk_logprobs_unsharded():
         cl.get_distillation_topk_logprobs_from_logits(
             logits, teacher, ids, True, False, vocab_parallel_group=object()
         )
+
+
+def _small_helpers() -> None:
+    """NeMo-RL's small collective helpers on the world group as TP (even shards) or CP."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(21)
+    full = torch.randn(2, 4, 6 * world, generator=gen)
+    width = full.shape[-1] // world
+    shard = full[..., rank * width : (rank + 1) * width].clone().requires_grad_()
+
+    assert torch.equal(cl.vocab_parallel_argmax(shard, tp_group=group), full.argmax(-1))
+    columns = torch.tensor([0, 5, 6 * world - 1, 5])
+    picked = cl.vocab_parallel_gather_columns(shard, columns, tp_group=group)
+    assert torch.equal(picked, full[..., columns])
+    picked.sum().backward()
+    counts = torch.zeros(full.shape[-1]).index_add_(0, columns, torch.ones(4))
+    assert torch.equal(shard.grad, counts[rank * width : (rank + 1) * width].expand_as(shard))
+
+    x = torch.full((3,), float(rank + 1), requires_grad=True)
+    total = cl.group_all_reduce_sum_with_grad(x, group)
+    assert torch.equal(total, torch.full((3,), world * (world + 1) / 2))
+    total.backward(torch.full((3,), 2.0))
+    assert torch.equal(x.grad, torch.full((3,), 2.0))  # identity, no all-reduce
+    assert not cl.group_all_reduce_sum(x, group).requires_grad
+
+    rows = full.flatten(0, 1)  # [BS, V], BS = 8
+    if rows.shape[0] % world == 0:
+        local_rows = rows.shape[0] // world
+        mine = cl.all_to_all_vp2sq(rows[:, rank * width : (rank + 1) * width], group)
+        assert torch.equal(mine, rows[rank * local_rows : (rank + 1) * local_rows])
+        back = cl.all_to_all_sq2vp(mine, group)
+        assert torch.equal(back, rows[:, rank * width : (rank + 1) * width])
+        # The ones the compile contract's entry points leave out trace whole too.
+        round_trip = torch.compile(
+            lambda z: cl.all_to_all_sq2vp(cl.all_to_all_vp2sq(z, group), group), fullgraph=True
+        )
+        assert torch.equal(round_trip(back), back)
+
+    # CP: the world's load-balanced shards of a [2, 4 · world, 3] sequence.
+    seq = torch.randn(2, 4 * world, 3, generator=gen)
+    balanced = cl.shard_for_context_parallel(seq, group=group).clone().requires_grad_()
+    contiguous = cl.cp_load_balanced_to_contiguous(balanced, cp_group=group)
+    assert torch.equal(contiguous, seq[:, 4 * rank : 4 * (rank + 1)])
+    compiled = torch.compile(cl.cp_load_balanced_to_contiguous, fullgraph=True)
+    compiled(balanced, cp_group=group).sum().backward()
+    assert torch.equal(balanced.grad, torch.ones_like(balanced))  # each position once
+    window = seq[:, 4 * rank : 4 * (rank + 1)].clone().requires_grad_()
+    shifted = cl.cp_shift_next(window, group, fill=-1.0)
+    expected = torch.cat([seq[:, 1:], torch.full_like(seq[:, :1], -1.0)], 1)
+    assert torch.equal(shifted, expected[:, 4 * rank : 4 * (rank + 1)])
+    shifted.sum().backward()
+    assert torch.equal(window.grad[:, 0], torch.zeros_like(window.grad[:, 0]))
+    assert torch.equal(window.grad[:, 1:], torch.ones_like(window.grad[:, 1:]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_helpers(gloo_pool, world):
+    gloo_pool(world).run(_small_helpers)
+
+
+def test_small_helpers_without_a_group():
+    logits = torch.randn(2, 3, 7)
+    assert torch.equal(cl.vocab_parallel_argmax(logits), logits.argmax(-1))
+    columns = torch.tensor([6, 0])
+    assert torch.equal(cl.vocab_parallel_gather_columns(logits, columns), logits[..., columns])
+    x = torch.randn(4)
+    assert cl.group_all_reduce_sum_with_grad(x, None) is x
+    assert torch.equal(cl.all_to_all_vp2sq(x.view(2, 2), None), x.view(2, 2))
+    assert torch.equal(cl.cp_load_balanced_to_contiguous(logits), logits)
+    shifted = cl.cp_shift_next(logits, fill=0.0)
+    assert torch.equal(shifted, torch.cat([logits[:, 1:], torch.zeros_like(logits[:, :1])], 1))
+    with pytest.raises(ValueError, match=r"column_indices must be \[K\]"):
+        cl.vocab_parallel_gather_columns(logits, columns.view(1, 2))
