@@ -423,6 +423,12 @@ def get_distillation_topk_logprobs_from_logits(
             f"teacher_topk_indices must be [B, S, K] with K >= 1, got shape "
             f"{tuple(teacher_topk_indices.shape)}"
         )
+    if teacher_topk_logits.shape != teacher_topk_indices.shape:
+        raise ValueError(
+            f"teacher_topk_logits {tuple(teacher_topk_logits.shape)} must have the shape of "
+            f"teacher_topk_indices {tuple(teacher_topk_indices.shape)}: the teacher's logit at "
+            "each of its top-k ids"
+        )
     if calculate_entropy and not zero_outside_topk:
         raise ValueError(
             "calculate_entropy=True needs zero_outside_topk=True: the entropy is of the "

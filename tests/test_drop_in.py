@@ -260,6 +260,8 @@ def test_distillation_topk_logprobs_unsharded():
         cl.get_distillation_topk_logprobs_from_logits(logits, teacher, ids, False, True)
     with pytest.raises(ValueError, match=r"K >= 1, got shape \(2, 6, 0\)"):
         cl.get_distillation_topk_logprobs_from_logits(logits, teacher, ids[..., :0], True, False)
+    with pytest.raises(ValueError, match=r"teacher_topk_logits \(2, 6, 2\) must have the shape"):
+        cl.get_distillation_topk_logprobs_from_logits(logits, teacher[..., :2], ids, True, False)
     with pytest.raises(ValueError, match="vocab_parallel_rank must be given"):
         cl.get_distillation_topk_logprobs_from_logits(
             logits, teacher, ids, True, False, vocab_parallel_group=object()
