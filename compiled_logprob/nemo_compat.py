@@ -19,6 +19,8 @@ differs, on purpose:
   sort decides among them; top-p sums fp32 probabilities (NeMo-RL: the logits' dtype); a
   target filtered out gets log-prob ``-inf`` and no gradient (NeMo-RL: ``-inf``, and the
   gradient of ``z_target − lse`` at the kept ids); ``B * S`` need not divide by the TP size;
+* ``get_distillation_topk_logprobs_from_logits`` refuses ``calculate_entropy`` without
+  ``zero_outside_topk`` (NeMo-RL fails on ``None`` there) and handles CP on every layout;
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 The classes exist only so that ``X.apply(...)`` call sites keep working; they are not
