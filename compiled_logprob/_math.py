@@ -387,6 +387,18 @@ def empty_exchanged_stats(
     )
 
 
+def _common_shift(
+    row_max: torch.Tensor, sum_exp: torch.Tensor, inverse_t: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(shift, shard_mass, factor)`` of every rank's row max and ``Σ exp(z − its max)``
+    ``[R, B, S]``: the common ``shift`` (the global max, 0 where infinite), each shard's sum
+    rescaled to it, and the rescaling ``factor``. A -inf shard's factor is exp(-inf) = 0,
+    whatever the shift it summed with."""
+    shift = _finite_or_zero(row_max.amax(0))
+    factor = torch.exp((row_max - shift) * inverse_t)
+    return shift, sum_exp * factor, factor
+
+
 def exchange_stats(
     stats: torch.Tensor,
     target: torch.Tensor | None,
@@ -411,11 +423,8 @@ def exchange_stats(
     """
     gathered = gather_ranks(stats, group_name)
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
-    shift = _finite_or_zero(row_max.amax(0))
-    inverse_t = torch.ones_like(shift) if temperature is None else 1.0 / temperature
-    # Each shard summed exp(z − its own max); rescale to the common shift. A -inf shard's
-    # factor is exp(-inf) = 0, whatever the shift it summed with.
-    shard_mass = sum_exp * torch.exp((row_max - shift) * inverse_t)
+    inverse_t = torch.ones_like(row_max[0]) if temperature is None else 1.0 / temperature
+    shift, shard_mass, _ = _common_shift(row_max, sum_exp, inverse_t)
     total = shard_mass.sum(0)
     log_total = torch.log(total)
     if with_entropy:
@@ -688,15 +697,10 @@ def exchange_cross_entropy(
     """
     gathered = gather_ranks(stats, group_name)
     inverse_t = 1.0 if temperature is None else 1.0 / temperature
-
-    def merged(row_max: torch.Tensor, sum_exp: torch.Tensor):
-        # As in exchange_stats: a -inf shard's factor is exp(-inf) = 0.
-        shift = _finite_or_zero(row_max.amax(0))
-        factor = torch.exp((row_max - shift) * inverse_t)
-        return shift, sum_exp * factor, factor
-
-    shift, mass, _ = merged(gathered[..., 0], gathered[..., 1])
-    target_shift, target_mass, target_factor = merged(gathered[..., 2], gathered[..., 3])
+    shift, mass, _ = _common_shift(gathered[..., 0], gathered[..., 1], inverse_t)
+    target_shift, target_mass, target_factor = _common_shift(
+        gathered[..., 2], gathered[..., 3], inverse_t
+    )
     target_total = target_mass.sum(0)
     climb = (shift - _finite_or_zero(gathered[..., 0])) * inverse_t
     gaps = gathered[..., 4] * target_factor + torch.where(target_mass == 0, 0.0, target_mass * climb)
