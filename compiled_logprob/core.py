@@ -80,22 +80,24 @@ def _as_int(value: object, name: str, *, minimum: int | None = None) -> int:
     return value
 
 
-def _validate_logits(logits: torch.Tensor, chunk_size: int | None) -> None:
+def _validate_logits(
+    logits: torch.Tensor, chunk_size: int | None, name: str = "logits"
+) -> None:
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
         raise TypeError(
-            f"logits must be a floating-point tensor, got dtype {logits.dtype}; "
+            f"{name} must be a floating-point tensor, got dtype {logits.dtype}; "
             "pass the model's raw (vocab-parallel) logits"
         )
     if logits.dim() < 2:
         raise ValueError(
-            f"logits must have shape [..., S, V_local], got shape {tuple(logits.shape)}"
+            f"{name} must have shape [..., S, V_local], got shape {tuple(logits.shape)}"
         )
     if logits.shape[-1] == 0:
         raise ValueError(
-            f"this rank's vocabulary shard is empty (logits shape {tuple(logits.shape)}): shard a "
-            "vocabulary over at most V ranks"
+            f"this rank's vocabulary shard is empty ({name} shape {tuple(logits.shape)}): "
+            "shard a vocabulary over at most V ranks"
         )
     if chunk_size is not None:
         _as_int(chunk_size, "chunk_size", minimum=1)
@@ -496,7 +498,7 @@ def vocab_parallel_cross_entropy(
     ``inf`` where the target puts mass on a ``-inf`` logit, and NaN for a NaN logit.
     """
     _validate_logits(logits, chunk_size)
-    _validate_logits(target_logits, chunk_size)
+    _validate_logits(target_logits, None, "target_logits")
     if target_logits.shape != logits.shape or target_logits.device != logits.device:
         raise ValueError(
             f"target_logits ({tuple(target_logits.shape)} on {target_logits.device}) must have "

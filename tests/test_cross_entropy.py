@@ -281,7 +281,7 @@ def test_no_host_syncs():
     [
         (torch.randn(2, 5, 8), "must have the logits' shape (2, 5, 9)"),
         (torch.randn(2, 4, 9), "must have the logits' shape (2, 5, 9)"),
-        (torch.zeros(2, 5, 9, dtype=torch.long), "floating-point"),
+        (torch.zeros(2, 5, 9, dtype=torch.long), "target_logits must be a floating-point"),
     ],
 )
 def test_bad_input(teacher, message):
