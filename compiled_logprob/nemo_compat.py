@@ -777,13 +777,9 @@ def vocab_parallel_argmax(
     logit, int64 ``[B, S]``, of this rank's even shard ``[B, S, V_local]`` (rank r holds
     ``[r · V_local, (r + 1) · V_local)``) or of a DTensor's local shard; not differentiable.
     One all-gather of ``[B, S, 2]`` (:func:`distributed_vocab_topk` with k = 1)."""
-    if isinstance(logits, dtensor.DTensor):
-        logits = logits.to_local()
-    size = _group_size(tp_group)
-    start = (tp_group.rank() if size > 1 else 0) * logits.shape[-1]
+    logits, group, start = _even_tp_shard(logits, tp_group)
     _, ids = distributed_vocab_topk(
-        logits, 1, tp_group if size > 1 else None,
-        vocab_start_index=start, vocab_end_index=start + logits.shape[-1],
+        logits, 1, group, vocab_start_index=start, vocab_end_index=start + logits.shape[-1]
     )
     return ids.squeeze(-1)
 
@@ -799,19 +795,28 @@ def vocab_parallel_gather_columns(
     rank's even shard ``[B, T, V_local]`` (or the full ``[B, T, V]`` without a group);
     differentiable, each rank's logits receiving the gradient at the ids they own. One
     all-reduce (:func:`gather_logits_at_global_indices`)."""
-    if isinstance(logits, dtensor.DTensor):
-        logits = logits.to_local()
     if column_indices.dim() != 1:
         raise ValueError(
             f"column_indices must be [K] global ids, got shape {tuple(column_indices.shape)}"
         )
-    size = _group_size(tp_group)
-    start = (tp_group.rank() if size > 1 else 0) * logits.shape[-1]
+    logits, group, start = _even_tp_shard(logits, tp_group)
     ids = column_indices.to(logits.device).expand(*logits.shape[:-1], -1)
     return gather_logits_at_global_indices(
-        logits, ids, tp_group if size > 1 else None,
-        vocab_start_index=start, vocab_end_index=start + logits.shape[-1],
+        logits, ids, group, vocab_start_index=start, vocab_end_index=start + logits.shape[-1]
     )
+
+
+def _even_tp_shard(
+    logits: torch.Tensor, tp_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
+    """``(logits, group, vocab_start)`` of this rank's even vocabulary shard (a DTensor's local
+    one): the group is ``None`` when it has one rank (or torch.distributed is not
+    initialised), and rank r's shard starts at ``r · V_local``."""
+    if isinstance(logits, dtensor.DTensor):
+        logits = logits.to_local()
+    if _group_size(tp_group) == 1:
+        return logits, None, 0
+    return logits, tp_group, tp_group.rank() * logits.shape[-1]
 
 
 def all_to_all_vp2sq(
