@@ -22,14 +22,13 @@ slice.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiled_logprob import _math, core
-from compiled_logprob._torch_version import all_gather_single
+from compiled_logprob import _comm, _validation, logits as _logits
+from compiled_logprob._math import layout
+from compiled_logprob._math.kernels import assert_async
 
 __all__ = [
     "context_parallel_logprobs",
@@ -37,13 +36,6 @@ __all__ = [
     "packed_context_parallel_logprobs",
     "shard_for_context_parallel",
 ]
-
-
-def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    core._group_name(group)  # validates the group
-    if group is None:
-        return 1, 0
-    return group.size(), group.rank()
 
 
 def _normalized_dim(tensor: torch.Tensor, dim: int) -> int:
@@ -61,40 +53,6 @@ def _check_local_len(local_len: int, size: int, what: str) -> None:
         )
 
 
-def _load_balanced_positions(local, seq_start, seq_len, rank, size):
-    """Position in the full row of local position ``local`` of CP rank ``rank``, for the
-    sequence ``[seq_start, seq_start + seq_len)`` of the full row (all broadcastable)."""
-    chunk = seq_len // (2 * size)
-    offset = local - seq_start // size
-    # The first `chunk` local slots hold chunk `rank`, the next ones chunk `2 * size - 1 - rank`.
-    skip = torch.where(offset < chunk, rank, 2 * size - 2 - rank) * chunk
-    return seq_start + offset + skip
-
-
-def _positions(local_len: int, size: int, device: torch.device) -> torch.Tensor:
-    """``[C, L]``: the load-balanced layout of one sequence of ``C * L`` positions."""
-    local = torch.arange(local_len, device=device)
-    ranks = torch.arange(size, device=device).unsqueeze(-1)
-    return _load_balanced_positions(local, 0, size * local_len, ranks, size)
-
-
-def _gather_to_positions(
-    tensor: torch.Tensor, positions: torch.Tensor, group_name: str | None, dim: int
-) -> torch.Tensor:
-    """Gather every rank's ``tensor`` along ``dim``, putting rank r's element q at
-    ``positions[r, q]``. ``group_name=None``: this rank's ``tensor`` is all there is."""
-    gathered = tensor.movedim(dim, 0)
-    if group_name is not None:
-        # Built-in backward: one reduce-scatter (sum) of the gradient, which index_select's
-        # backward has put back in gathered order.
-        gathered = all_gather_single(gathered.contiguous(), 0, group_name)
-    # ``positions`` is a permutation: read through its inverse. (Writing through it with
-    # index_copy into a zero-filled buffer let Inductor, torch 2.13, schedule a fused read
-    # of that buffer before the scatter into it.)
-    placed = gathered.index_select(0, torch.argsort(positions.flatten()))
-    return placed.movedim(0, dim)
-
-
 def _shard(tensor: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
     if size == 1:
         return tensor
@@ -105,8 +63,7 @@ def _shard(tensor: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor
             f"the sequence length {full_len} (dim {dim} of shape {tuple(tensor.shape)}) is not "
             f"a multiple of 2 * cp_size = {2 * size}: pad it first"
         )
-    local = torch.arange(full_len // size, device=tensor.device)
-    return tensor.index_select(dim, _load_balanced_positions(local, 0, full_len, rank, size))
+    return layout.shard(tensor, rank, size, dim)
 
 
 def shard_for_context_parallel(
@@ -118,7 +75,7 @@ def shard_for_context_parallel(
     ``c = tensor.chunk(2 * C, dim)``. ``S`` must be a multiple of ``2 * C``; ``group=None``
     (or a group of size 1) returns ``tensor`` itself.
     """
-    size, rank = _size_rank(group)
+    size, rank = _comm.size_rank(group)
     return _shard(tensor, rank, size, dim)
 
 
@@ -131,18 +88,43 @@ def gather_context_parallel(
     concatenation of all ranks' shards. One all-gather forward; backward, one reduce-scatter:
     each rank's shard receives the sum over the CP ranks of the gradients at its positions.
     """
-    size, _ = _size_rank(group)
+    size, _ = _comm.size_rank(group)
     if size == 1:
         return tensor
     dim = _normalized_dim(tensor, dim)
     _check_local_len(tensor.shape[dim], size, f"tensor of shape {tuple(tensor.shape)} (dim {dim})")
-    positions = _positions(tensor.shape[dim], size, tensor.device)
-    return _gather_to_positions(tensor, positions, group.group_name, dim)
+    positions = layout.positions(tensor.shape[dim], size, tensor.device)
+    return layout.gather_to_positions(tensor, positions, group.group_name, dim)
 
 
-def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None:
+def shard_natural(
+    per_position: torch.Tensor, local_len: int, cp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """This CP rank's load-balanced part ``[B, L, ...]`` of a natural-order ``[B, S, ...]``
+    tensor (ids), its sequence zero-padded to ``L`` positions times the CP size first."""
+    cp_size, _ = _comm.size_rank(cp_group)
+    seq_len = per_position.shape[1]
+    padding = local_len * cp_size - seq_len
+    if padding < 0:
+        raise ValueError(
+            f"the logits hold {local_len} positions on each of {cp_size} CP ranks, fewer than "
+            f"the {seq_len} of the ids {tuple(per_position.shape)}"
+        )
+    padded = F.pad(per_position, (0, 0) * (per_position.dim() - 2) + (0, padding))
+    return shard_for_context_parallel(padded, group=cp_group)
+
+
+def gather_natural(
+    local: torch.Tensor, seq_len: int, cp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The inverse of :func:`shard_natural` for a result ``[B, L, ...]``: every CP rank's
+    positions in natural order, the first ``seq_len`` (differentiable)."""
+    return gather_context_parallel(local, group=cp_group)[:, :seq_len]
+
+
+def check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None:
     """``input_ids`` against ``tensor`` ``[..., L, *]``, this rank's (validated) ``name``."""
-    core._validate_token_ids(input_ids, "input_ids")
+    _validation.check_token_ids(input_ids, "input_ids")
     if input_ids.dim() != tensor.dim() - 1 or input_ids.shape[:-1] != tensor.shape[:-2]:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} must be [..., S] with the leading shape of the "
@@ -153,22 +135,26 @@ def _check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None
 
 
 def _logits_logprobs(
-    logits, input_ids, vocab_start, group, chunk_size, ignore_index, top_k=None, top_p=1.0
+    logits, input_ids, *, vocab_start, group, chunk_size, ignore_index, top_k, top_p,
+    return_entropy,
 ):
-    """Validated ``logits``' local log-prob computation: ``fn(target, *, temperature,
-    return_entropy)``, the ``local_fn`` of :func:`_cp_logprobs`."""
-    core._validate_logits(logits, chunk_size)
-    _check_ids(logits, input_ids, "logits")
-    return functools.partial(
-        core.token_logprobs,
-        logits,
-        vocab_start=vocab_start,
-        group=group,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
-        top_k=top_k,
-        top_p=top_p,
+    """The local log-probs of validated ``logits``: ``fn(target, *, temperature,
+    return_entropy)`` for this rank's targets ``[..., L]``, the ``local_fn`` of
+    :func:`cp_logprobs`."""
+    _validation.check_logits(logits)
+    check_ids(logits, input_ids, "logits")
+    _validation.check_ignore_index(ignore_index, input_ids)
+    opts = _validation.options(
+        vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
+    filtering = _validation.filter_options(top_k, top_p, logits, opts, group, return_entropy)
+
+    def local_fn(target, *, temperature, return_entropy):
+        return _logits._token_logprobs(
+            logits, target, opts, temperature, return_entropy, filtering
+        )
+
+    return local_fn
 
 
 def _check_index_tensor(value: object, name: str) -> None:
@@ -178,7 +164,7 @@ def _check_index_tensor(value: object, name: str) -> None:
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {got}")
 
 
-def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
+def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
     _check_index_tensor(seq_index, "seq_index")
     if seq_index.shape != (full_len,):
         raise ValueError(
@@ -188,7 +174,7 @@ def _check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor)
     if seq_index.device != like.device:
         raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
     natural = torch.arange(full_len, device=seq_index.device)
-    _math.assert_async(
+    assert_async(
         (seq_index.sort().values == natural).all(),
         "seq_index must be a permutation of 0 .. CP size x local length - 1 (each natural "
         "position exactly once)",
@@ -276,9 +262,10 @@ def context_parallel_logprobs(
     ``(logprobs, entropy)``.
     """
     local_fn = _logits_logprobs(
-        logits, input_ids, vocab_start, group, chunk_size, ignore_index, top_k, top_p
+        logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
+        ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
     )
-    return _cp_logprobs(
+    return cp_logprobs(
         local_fn,
         logits,
         input_ids,
@@ -291,7 +278,7 @@ def context_parallel_logprobs(
     )
 
 
-def _cp_logprobs(
+def cp_logprobs(
     local_fn,
     shard: torch.Tensor,
     input_ids: torch.Tensor,
@@ -306,7 +293,7 @@ def _cp_logprobs(
     """:func:`context_parallel_logprobs` of this rank's ``shard`` ``[..., L, *]`` (its logits
     or hidden states, ``name``), whose log-probs ``local_fn(target, *, temperature,
     return_entropy)`` computes for this rank's targets ``[..., L]``."""
-    size, rank = _size_rank(cp_group)
+    size, rank = _comm.size_rank(cp_group)
     local_len, seq_len = shard.shape[-2], input_ids.shape[-1]
     padded_len = size * local_len
     if padded_len < seq_len:
@@ -321,9 +308,9 @@ def _cp_logprobs(
         )
     if seq_index is None:
         _check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")
-        positions = _positions(local_len, size, shard.device)
+        positions = layout.positions(local_len, size, shard.device)
     else:
-        _check_seq_index(seq_index, padded_len, shard)
+        check_seq_index(seq_index, padded_len, shard)
         positions = seq_index.view(size, local_len)
 
     def this_rank(per_position: torch.Tensor, fill: int) -> torch.Tensor:
@@ -341,7 +328,7 @@ def _cp_logprobs(
         return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
-    result = _gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]
+    result = layout.gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]
     return _split(result, return_entropy)
 
 
@@ -379,20 +366,20 @@ def _check_packed(
         raise ValueError(
             f"cu_seqlens_padded is on {cu_seqlens.device} but {name} on {shard.device}"
         )
-    return core._as_int(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
+    return _validation.as_int(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
 
 
 def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
     """Checked on the device (no host sync): the values of ``cu_seqlens_padded``."""
     well_formed = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
-    _math.assert_async(
+    assert_async(
         well_formed,
         # No T in the message: formatting a dynamic size would specialise the graph on it.
         "cu_seqlens_padded must start at 0, never decrease and end at T, the packed row's "
         "length (input_ids.shape[-1])",
     )
     if size > 1:
-        _math.assert_async(
+        assert_async(
             (cu % (2 * size) == 0).all(),
             f"every padded sequence length in cu_seqlens_padded must be a multiple of "
             f"2 * cp_size = {2 * size}, so that it splits into equal load-balanced chunks",
@@ -442,9 +429,10 @@ def packed_context_parallel_logprobs(
     target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
     """
     local_fn = _logits_logprobs(
-        logits, input_ids, vocab_start, group, chunk_size, ignore_index, top_k, top_p
+        logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
+        ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
     )
-    return _packed_cp_logprobs(
+    return packed_cp_logprobs(
         local_fn,
         logits,
         input_ids,
@@ -458,7 +446,7 @@ def packed_context_parallel_logprobs(
     )
 
 
-def _packed_cp_logprobs(
+def packed_cp_logprobs(
     local_fn,
     shard: torch.Tensor,
     input_ids: torch.Tensor,
@@ -473,12 +461,12 @@ def _packed_cp_logprobs(
     pre_rolled: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`packed_context_parallel_logprobs` of this rank's ``shard`` ``[1, T / C, *]``
-    (``name``), whose log-probs ``local_fn`` computes as in :func:`_cp_logprobs`.
+    (``name``), whose log-probs ``local_fn`` computes as in :func:`cp_logprobs`.
 
     ``pre_rolled``: ``input_ids`` are this rank's ``[1, T / C]`` targets, already shifted
     within each sequence and sharded like ``shard`` (NeMo-RL's ``target_is_pre_rolled``).
     """
-    size, rank = _size_rank(cp_group)
+    size, rank = _comm.size_rank(cp_group)
     max_seqlen = _check_packed(
         shard, input_ids, cu_seqlens_padded, max_seqlen, size, name, pre_rolled
     )
@@ -492,7 +480,7 @@ def _packed_cp_logprobs(
     seq = torch.searchsorted(cu[1:] // size, local, right=True).clamp(max=batch - 1)
     start, end = cu[seq], cu[seq + 1]
     ranks = torch.arange(size, device=shard.device).unsqueeze(-1)
-    positions = _load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
+    positions = layout.load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
     mine = positions[rank]
     # With next_token, position t scores token t + 1 of its sequence and a sequence's last
     # position scores token 0 (dropped below). The clamps keep indices in range even where
@@ -516,7 +504,7 @@ def _packed_cp_logprobs(
         return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
-    packed = _gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
+    packed = layout.gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
     packed = F.pad(packed, (0, 1))  # a 0 at T for the columns past a sequence (or T = 0)
 
     column = torch.arange(max_seqlen - shift, device=shard.device)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from compiled_logprob._torch_version import all_gather_single
+from compiled_logprob._torch_compat import all_gather_single
 from compiled_logprob.nemo_compat import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from compiled_logprob import context_parallel
+from compiled_logprob._math import layout
 
 __all__ = ["dtensor_logprobs", "vocab_shard_bounds"]
 
@@ -113,9 +114,9 @@ def _natural_ids(
             f"size {size}"
         )
     local = target.to_local()
-    context_parallel._check_seq_index(seq_index, target.shape[-1], local)
+    context_parallel.check_seq_index(seq_index, target.shape[-1], local)
     positions = seq_index.view(size, -1)
-    ids = context_parallel._gather_to_positions(local, positions, cp_group.group_name, -1)
+    ids = layout.gather_to_positions(local, positions, cp_group.group_name, -1)
     return ids, cp_group, seq_index
 
 

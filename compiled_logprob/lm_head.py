@@ -17,12 +17,12 @@ Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _lm_head_ops, context_parallel, core
+from compiled_logprob import _validation, context_parallel, logits as _logits
+from compiled_logprob._ops.lm_head import lm_head_stats_of
+from compiled_logprob._validation import Options
 
 __all__ = [
     "lm_head_context_parallel_logprobs",
@@ -59,14 +59,8 @@ def _validate_hidden(hidden, weight) -> None:
         )
 
 
-def _validate(
-    hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
-) -> tuple[int, int | None, torch.Tensor | None, int | None]:
-    """Checks the arguments; returns ``(vocab_start, ignore_index, temperature,
-    chunk_size)`` as the op takes them: Python ints (its schema rejects numpy's), and the
-    temperature as fp32 ``[B, S]`` or ``None`` for 1."""
-    _validate_hidden(hidden, weight)
-    core._validate_token_ids(target, "target")
+def _check_target(hidden: torch.Tensor, target: torch.Tensor, ignore_index: object) -> None:
+    _validation.check_token_ids(target, "target")
     positions = hidden.shape[:-1]
     k_ids = target.dim() == hidden.dim() and target.shape[:-1] == positions
     if not (target.shape == positions or k_ids) or target.device != hidden.device:
@@ -75,14 +69,7 @@ def _validate(
             f"leading shape {tuple(positions)}, or that + (K,) for K ids per position, and "
             f"device {hidden.device}"
         )
-    # The hidden states' leading dims are the positions, as the logits' are: with the shape
-    # and device checked above, core's target checks add those of vocab_start and
-    # ignore_index (an int that fits the target's dtype).
-    vocab_start, ignore_index = core._validate_target(hidden, target, vocab_start, ignore_index)
-    temperature = core._temperature_rows(temperature, positions, hidden.device, "hidden states")
-    if chunk_size is not None:
-        chunk_size = core._as_int(chunk_size, "chunk_size", minimum=1)
-    return vocab_start, ignore_index, temperature, chunk_size
+    _validation.check_ignore_index(ignore_index, target)
 
 
 def lm_head_token_logprobs(
@@ -132,25 +119,37 @@ def lm_head_token_logprobs(
     A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
     the device without a host sync (``torch._assert_async``).
     """
-    vocab_start, ignore_index, temperature, chunk_size = _validate(
-        hidden, weight, target, vocab_start, ignore_index, temperature, chunk_size
+    _validate_hidden(hidden, weight)
+    _check_target(hidden, target, ignore_index)
+    opts = _validation.options(
+        vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
+    return _lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy)
+
+
+def _lm_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    options: Options,
+    temperature: float | torch.Tensor,
+    return_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lm_head_token_logprobs` of validated arguments."""
     per_position = target.dim() == hidden.dim() - 1
     ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
-    _, log_total, target_logit, entropy, _ = _lm_head_ops.lm_head_stats(
-        core._as_batch(hidden, 2),
+    stats = lm_head_stats_of(
+        _validation.as_batch(hidden, 2),
         weight,
-        core._as_batch(ids, 2),
-        temperature,
-        vocab_start=vocab_start,
-        group_name=core._group_name(group),
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
+        _validation.as_batch(ids, 2),
+        _validation.temperature_rows(temperature, hidden.shape[:-1], hidden.device, "hidden states"),
+        **options._asdict(),
         with_entropy=return_entropy,
         topk=0,
     )
-    return core._logprob_outputs(
-        target_logit, log_total, entropy, target, per_position, ignore_index, return_entropy
+    return _logits.logprob_outputs(
+        stats.target_logit, stats.log_norm, stats.entropy, target, per_position,
+        options.ignore_index, return_entropy,
     )
 
 
@@ -184,38 +183,38 @@ def lm_head_topk(
         carries every rank's.
     """
     _validate_hidden(hidden, weight)
-    core._check_topk(k, vocab_start, weight.shape[0])
+    opts = _validation.options(vocab_start=vocab_start, group=group, chunk_size=chunk_size)
+    k = _validation.check_topk(k, opts.vocab_start, weight.shape[0])
     positions = hidden.shape[:-1]
-    temperature = core._temperature_rows(temperature, positions, hidden.device, "hidden states")
-    _, log_total, top_logits, _, ids = _lm_head_ops.lm_head_stats(
-        core._as_batch(hidden, 2),
+    stats = lm_head_stats_of(
+        _validation.as_batch(hidden, 2),
         weight,
         None,
-        temperature,
-        vocab_start=core._as_int(vocab_start, "vocab_start", minimum=0),
-        group_name=core._group_name(group),
-        ignore_index=None,
-        chunk_size=None if chunk_size is None else core._as_int(chunk_size, "chunk_size", minimum=1),
+        _validation.temperature_rows(temperature, positions, hidden.device, "hidden states"),
+        **opts._asdict(),
         with_entropy=False,
-        topk=core._as_int(k, "k"),
+        topk=k,
     )
-    return (top_logits - log_total.unsqueeze(-1)).view(*positions, k), ids.view(*positions, k)
+    logprobs = stats.target_logit - stats.log_norm.unsqueeze(-1)
+    return logprobs.view(*positions, k), stats.topk_ids.view(*positions, k)
 
 
-def _hidden_logprobs(hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index):
-    """The validated hidden states' local log-prob computation ``fn(target, *, temperature,
-    return_entropy)``, for the context-parallel entry points."""
+def _hidden_logprobs(
+    hidden, weight, input_ids, *, vocab_start, group, chunk_size, ignore_index
+):
+    """The local log-probs of validated hidden states: ``fn(target, *, temperature,
+    return_entropy)``, the ``local_fn`` of the context-parallel entry points."""
     _validate_hidden(hidden, weight)
-    context_parallel._check_ids(hidden, input_ids, "hidden states")
-    return functools.partial(
-        lm_head_token_logprobs,
-        hidden,
-        weight,
-        vocab_start=vocab_start,
-        group=group,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
+    context_parallel.check_ids(hidden, input_ids, "hidden states")
+    _validation.check_ignore_index(ignore_index, input_ids)
+    opts = _validation.options(
+        vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
+
+    def local_fn(target, *, temperature, return_entropy):
+        return _lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy)
+
+    return local_fn
 
 
 def lm_head_context_parallel_logprobs(
@@ -257,9 +256,10 @@ def lm_head_context_parallel_logprobs(
     contribution only.
     """
     local_fn = _hidden_logprobs(
-        hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index
+        hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
+        ignore_index=ignore_index,
     )
-    return context_parallel._cp_logprobs(
+    return context_parallel.cp_logprobs(
         local_fn,
         hidden,
         input_ids,
@@ -307,9 +307,10 @@ def lm_head_packed_context_parallel_logprobs(
     Gradients as in :func:`lm_head_context_parallel_logprobs`.
     """
     local_fn = _hidden_logprobs(
-        hidden, weight, input_ids, vocab_start, group, chunk_size, ignore_index
+        hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
+        ignore_index=ignore_index,
     )
-    return context_parallel._packed_cp_logprobs(
+    return context_parallel.packed_cp_logprobs(
         local_fn,
         hidden,
         input_ids,

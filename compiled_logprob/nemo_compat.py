@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from compiled_logprob import _math, context_parallel, core, dtensor
+from compiled_logprob import _comm, _validation, context_parallel, dtensor, logits as core
 
 __all__ = [
     "ChunkedDistributedEntropy",
@@ -53,8 +52,8 @@ def _this_shard(
 ) -> tuple[torch.Tensor, int]:
     """The logits (detached for ``inference_only``) and the shard's start as a Python int,
     after checking NeMo's redundant shard bounds against the shard's width."""
-    vocab_start_index = core._as_int(vocab_start_index, "vocab_start_index", minimum=0)
-    vocab_end_index = core._as_int(vocab_end_index, "vocab_end_index")
+    vocab_start_index = _validation.as_int(vocab_start_index, "vocab_start_index", minimum=0)
+    vocab_end_index = _validation.as_int(vocab_end_index, "vocab_end_index")
     width = logits.shape[-1]
     if vocab_end_index - vocab_start_index != width:
         raise ValueError(
@@ -151,7 +150,7 @@ class ChunkedDistributedLogprobWithSampling:
         inference_only: bool = False,
     ) -> torch.Tensor:
         """fp32 ``[B, S]`` filtered log-probs, as :class:`DistributedLogprobWithSampling`."""
-        rank = 0 if core._group_name(tp_group) is None else tp_group.rank()
+        rank = 0 if _comm.group_name(tp_group) is None else tp_group.rank()
         logits = vocab_parallel_logits.detach() if inference_only else vocab_parallel_logits
         return core.token_logprobs(
             logits,
@@ -310,10 +309,8 @@ def distributed_vocab_topk(
     NeMo-RL's, and bounds nothing here: no ``[B, S, V_local]`` temporary is made.
     """
     logits, start = _this_shard(vocab_parallel_logits, vocab_start_index, vocab_end_index, True)
-    core._validate_logits(logits, chunk_size)
-    core._check_topk(k, start, logits.shape[-1])
-    candidates, _ = _math.topk_stats(logits, k, start)
-    return _math.merge_topk(_math.gather_ranks(candidates, core._group_name(tp_group)), k)
+    _validation.check_logits(logits)
+    return core.vocab_parallel_topk_logits(logits, k, vocab_start=start, group=tp_group)
 
 
 def gather_logits_at_global_indices(
@@ -337,55 +334,17 @@ def gather_logits_at_global_indices(
     K entries per row are gathered.
     """
     logits, start = _this_shard(vocab_parallel_logits, vocab_start_index, vocab_end_index, False)
-    core._validate_logits(logits, chunk_size)
-    core._validate_token_ids(global_indices, "global_indices")
+    _validation.check_logits(logits)
+    _validation.check_token_ids(global_indices, "global_indices")
     if global_indices.dim() != 3 or global_indices.shape[0] != logits.shape[0]:
         raise ValueError(
             f"global_indices must be [B, S, K] with the logits' B, got "
             f"{tuple(global_indices.shape)} for logits {tuple(logits.shape)}"
         )
     seq_len = global_indices.shape[1]
-    global_indices = _cp_shard_positions(global_indices, logits, cp_group)
-    # [x at each id where this shard owns it, else 0; 1.0 where it owns it]: summed over TP.
-    local = _math.target_stats(logits, global_indices, start)
-    group_name = core._group_name(tp_group)
-    total = local.detach()
-    if group_name is not None:
-        total = funcol.wait_tensor(funcol.all_reduce(total, "sum", group_name))
-    _math.assert_async((total[..., global_indices.shape[-1] :] == 1).all(), _math.OWNERSHIP_ERROR)
-    # The sum's value, with each rank's gradient flowing to its own ids only (as in NeMo-RL,
-    # whose all-reduce is not differentiated).
-    picked = local + (total - local.detach())
-    return _cp_gather_positions(picked[..., : global_indices.shape[-1]], seq_len, cp_group)
-
-
-def _cp_shard_positions(
-    per_position: torch.Tensor, logits: torch.Tensor, cp_group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """This CP rank's load-balanced part of a natural-order ``[B, S, ...]`` tensor (ids), its
-    sequence zero-padded to the logits' ``S / CP`` positions times the CP size."""
-    cp_size, _ = context_parallel._size_rank(cp_group)
-    if cp_size == 1:
-        return per_position
-    seq_len = per_position.shape[1]
-    padding = logits.shape[1] * cp_size - seq_len
-    if padding < 0:
-        raise ValueError(
-            f"the logits hold {logits.shape[1]} positions on each of {cp_size} CP ranks, "
-            f"fewer than the {seq_len} of global_indices {tuple(per_position.shape)}"
-        )
-    padded = F.pad(per_position, (0, 0) * (per_position.dim() - 2) + (0, padding))
-    return context_parallel.shard_for_context_parallel(padded, group=cp_group)
-
-
-def _cp_gather_positions(
-    local: torch.Tensor, seq_len: int, cp_group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """The inverse of :func:`_cp_shard_positions` for a result ``[B, S / CP, ...]``: every CP
-    rank's positions in natural order, the first ``seq_len`` (differentiable)."""
-    if context_parallel._size_rank(cp_group)[0] == 1:
-        return local
-    return context_parallel.gather_context_parallel(local, group=cp_group)[:, :seq_len]
+    global_indices = context_parallel.shard_natural(global_indices, logits.shape[1], cp_group)
+    picked = core.vocab_parallel_logits_at(logits, global_indices, vocab_start=start, group=tp_group)
+    return context_parallel.gather_natural(picked, seq_len, cp_group)
 
 
 __all__ += ["get_distillation_topk_logprobs_from_logits"]
@@ -443,14 +402,14 @@ def get_distillation_topk_logprobs_from_logits(
     seq_len = ids.shape[1]
     entropy = None
     if zero_outside_topk:
-        local = _cp_shard_positions(ids, logits, cp_group)
+        local = context_parallel.shard_natural(ids, logits.shape[1], cp_group)
         student = core.token_logprobs(
             logits, local, vocab_start=start, group=group, return_entropy=calculate_entropy
         )
         if calculate_entropy:
             student, entropy = student
-            entropy = -_cp_gather_positions(entropy, seq_len, cp_group)[:, :-1]
-        student = _cp_gather_positions(student, seq_len, cp_group)
+            entropy = -context_parallel.gather_natural(entropy, seq_len, cp_group)[:, :-1]
+        student = context_parallel.gather_natural(student, seq_len, cp_group)
     else:
         student = gather_logits_at_global_indices(
             logits, ids, group, cp_group,
@@ -468,7 +427,7 @@ def _even_shard_start(logits: torch.Tensor, vocab_parallel_rank: int | None) -> 
             "index in the vocab-parallel group, which holds vocabulary shard "
             "[rank * V_local, (rank + 1) * V_local)"
         )
-    return core._as_int(vocab_parallel_rank, "vocab_parallel_rank", minimum=0) * logits.shape[-1]
+    return _validation.as_int(vocab_parallel_rank, "vocab_parallel_rank", minimum=0) * logits.shape[-1]
 
 
 def _student_layout(student_logits, vocab_parallel_rank, vocab_parallel_group, cp_group):
@@ -496,8 +455,8 @@ def _get_tokens_on_this_cp_rank(
     group. The sequence length must be a multiple of ``2 * cp_size`` (NeMo-RL silently drops
     the remainder: here it is a ``ValueError``).
     """
-    cp_size = core._as_int(cp_size, "cp_size", minimum=1)
-    cp_rank = core._as_int(cp_rank, "cp_rank")
+    cp_size = _validation.as_int(cp_size, "cp_size", minimum=1)
+    cp_rank = _validation.as_int(cp_rank, "cp_rank")
     if cp_size == 1:
         return input_ids
     if not 0 <= cp_rank < cp_size:
@@ -505,7 +464,7 @@ def _get_tokens_on_this_cp_rank(
             f"cp_rank must be in [0, cp_size = {cp_size}), got {cp_rank}: pass this rank's "
             "rank in the CP group"
         )
-    return context_parallel._shard(input_ids, cp_rank, cp_size, core._as_int(seq_dim, "seq_dim"))
+    return context_parallel._shard(input_ids, cp_rank, cp_size, _validation.as_int(seq_dim, "seq_dim"))
 
 
 class AllGatherCPTensor:
@@ -611,9 +570,10 @@ def from_parallel_logits_to_logprobs_packed_sequences(
             **sampling,
         )
     local_fn = context_parallel._logits_logprobs(
-        vocab_parallel_logits, target, start, group, chunk_size, None, **sampling
+        vocab_parallel_logits, target, vocab_start=start, group=group, chunk_size=chunk_size,
+        ignore_index=None, return_entropy=False, **sampling,
     )
-    return context_parallel._packed_cp_logprobs(
+    return context_parallel.packed_cp_logprobs(
         local_fn,
         vocab_parallel_logits,
         target,
@@ -747,7 +707,7 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     helpers treat both)."""
     if group is None or not dist.is_initialized():
         return 1
-    core._group_name(group)  # validates it
+    _comm.group_name(group)  # validates it
     return group.size()
 
 
@@ -760,7 +720,7 @@ def group_all_reduce_sum_with_grad(
     ``None``, a group of size 1 or without torch.distributed."""
     if _group_size(group) == 1:
         return x
-    total = funcol.wait_tensor(funcol.all_reduce(x.detach(), "sum", group.group_name))
+    total = _comm.all_reduce_sum(x.detach(), group.group_name)
     return x + (total - x.detach())
 
 
@@ -829,9 +789,7 @@ def all_to_all_vp2sq(
     rows, width = _check_2d(vocab_parallel_logits, "vocab_parallel_logits", size, dim=0)
     if size == 1:
         return vocab_parallel_logits
-    received = funcol.wait_tensor(
-        funcol.all_to_all_single(vocab_parallel_logits.contiguous(), None, None, tp_group.group_name)
-    )
+    received = _comm.all_to_all(vocab_parallel_logits, tp_group.group_name)
     # [TP · BS / TP, V_local] by source rank -> [BS / TP, TP · V_local]
     return received.view(size, rows // size, width).permute(1, 0, 2).reshape(rows // size, -1)
 
@@ -846,9 +804,7 @@ def all_to_all_sq2vp(
     if size == 1:
         return seq_parallel_logits
     by_rank = seq_parallel_logits.view(rows, size, vocab // size).permute(1, 0, 2).contiguous()
-    received = funcol.wait_tensor(
-        funcol.all_to_all_single(by_rank.view(-1, vocab // size), None, None, tp_group.group_name)
-    )
+    received = _comm.all_to_all(by_rank.view(-1, vocab // size), tp_group.group_name)
     return received.view(size * rows, vocab // size)
 
 
@@ -888,9 +844,7 @@ def cp_shift_next(
     size = _group_size(cp_group)
     following = torch.full_like(x[:, :1], fill)
     if size > 1:
-        firsts = funcol.wait_tensor(
-            funcol.all_gather_tensor(x[:, :1].detach().contiguous(), 0, cp_group.group_name)
-        ).unflatten(0, (size, x.shape[0]))
+        firsts = _comm.gather_ranks(x[:, :1].detach(), cp_group.group_name)
         rank = cp_group.rank()
         if rank + 1 < size:
             following = firsts[rank + 1]

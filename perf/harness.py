@@ -10,7 +10,7 @@ Methods, measured side by side in one process (one rank per process for TP > 1):
   logits once and does the same ``exp2``/sum (forward), plus one compiled elementwise pass
   that writes the gradient (backward). It does no max, no gather and no collective. On the
   CPU its sum takes the sliced form that Inductor's CPU code runs fastest
-  (``compiled_logprob._math.ROW_SLICES``; a plain ``.sum(-1)`` there is latency-bound and
+  (``compiled_logprob._math.kernels.ROW_SLICES``; a plain ``.sum(-1)`` there is latency-bound and
   measured 2.3-3x slower), so that the floor is one, not one slowed by code generation.
 
 A :class:`Case` is one shape/dtype/mode/layout. The layout today is vocab-parallel only
@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _math, token_logprobs
+from compiled_logprob import token_logprobs
+from compiled_logprob._math import kernels
 from compiled_logprob.testing.reference import (
     SeedChunkedDistributedLogprob,
     SeedDistributedLogprob,
@@ -164,7 +165,7 @@ def make_inputs(case: Case, rank: int, device: str):
 
 
 def _floor_forward(logits):
-    return _math._row_sum(logits.float().exp2())
+    return kernels.row_sum(logits.float().exp2())
 
 
 def _floor_backward(logits, grad_out):

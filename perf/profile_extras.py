@@ -1,6 +1,6 @@
 """Where the extras' time goes, compiled: the kernels of the plain pass, the entropy and the
 top-k (k = 8) by their own time, and the top-k's cost over the plain pass for each block
-size of its block maxima (``_math.TOPK_BLOCK``).
+size of its block maxima (``compiled_logprob._math.topk.TOPK_BLOCK``).
 
     python perf/profile_extras.py                 # [2, 2048, 32000] fp32
     python perf/profile_extras.py --quick         # [2, 512, 32000]
@@ -27,7 +27,7 @@ import bench_extras
 import harness
 from harness import Case, markdown_table
 
-from compiled_logprob import _math
+from compiled_logprob._math import topk as _math
 
 PROFILED = ("plain", "entropy", "topk8")
 BLOCKS = (8, 16, 32, 64)

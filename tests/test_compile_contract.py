@@ -40,8 +40,10 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compiled_logprob as cl
-from compiled_logprob import _math, _ops
-from compiled_logprob._torch_version import all_gather_single
+from compiled_logprob._math.topk import TOPK_BLOCK
+from compiled_logprob._ops import filtering as filtering_ops
+from compiled_logprob._ops import stats as stats_ops
+from compiled_logprob._torch_compat import all_gather_single
 from compiled_logprob.testing.reference import vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -475,7 +477,7 @@ def _functional_collectives_under_sync_check() -> None:
     group_name = dist.group.WORLD.group_name
     rank = dist.get_rank()
     x = torch.full((2, 3), float(rank + 1), requires_grad=True)
-    # torch 2.12 names the reduce-scatter as it did the all-gather (see _torch_version).
+    # torch 2.12 names the reduce-scatter as it did the all-gather (see _torch_compat).
     reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     with no_host_syncs():
         gathered = all_gather_single(x.detach(), 0, group_name)
@@ -530,7 +532,7 @@ def _stats_cases():
     all_ignored = torch.full_like(targets, IGNORE)  # the fake group duplicates rows: no owner
     temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
     # Wide enough for the top-k's block maxima (not the fallback to torch.topk), with a tail.
-    wide_logits, _ = _op_inputs(vocab=4 * 3 * _math.TOPK_BLOCK + 5)
+    wide_logits, _ = _op_inputs(vocab=4 * 3 * TOPK_BLOCK + 5)
     options = dict(
         vocab_start=0,
         group_name=None,
@@ -621,12 +623,12 @@ def _filtered_cases():
 
 
 OPCHECK_CASES = {
-    "compiled_logprob::vocab_parallel_stats": (_ops.vocab_parallel_stats, _stats_cases),
+    "compiled_logprob::vocab_parallel_stats": (stats_ops.vocab_parallel_stats, _stats_cases),
     "compiled_logprob::vocab_parallel_stats_backward": (
-        _ops.vocab_parallel_stats_backward,
+        stats_ops.vocab_parallel_stats_backward,
         _backward_cases,
     ),
-    "compiled_logprob::filtered_stats": (_ops.filtered_stats, _filtered_cases),
+    "compiled_logprob::filtered_stats": (filtering_ops.filtered_stats, _filtered_cases),
 }
 
 
@@ -793,7 +795,7 @@ def test_compiled_buffers_stay_per_row(return_entropy, backward, dtype):
     """Inductor's code for the log-probs (with a temperature, and the entropy) allocates
     per-row buffers only, besides the gradient: no fp32 copy of the logits, and no
     sliced-reduction tree stored as a ``[B, S, V / slices]`` buffer (as Inductor does with a
-    tree past its CPU op-count limit: ``_math.ENTROPY_SLICES``), whose pages fault in on every
+    tree past its CPU op-count limit: ``_math.kernels.PAIR_SLICES``), whose pages fault in on every
     call."""
     logits = (3 * torch.randn(BATCH, 16, WIDE_VOCAB)).to(dtype).requires_grad_(backward)
     target = torch.randint(0, WIDE_VOCAB, (BATCH, 16))

@@ -31,7 +31,7 @@ from test_tp_numerics import (
 )
 
 import compiled_logprob as cl
-from compiled_logprob import _ops
+from compiled_logprob._ops import cross_entropy as _ops
 from compiled_logprob.testing.reference import oracle_cross_entropy, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import compiled_logprob as cl
-from compiled_logprob import _math, _torch_version
+from compiled_logprob import _torch_compat
+from compiled_logprob._math import kernels
+from compiled_logprob._math.merge import OWNERSHIP_ERROR
 
 LOGITS = torch.randn(2, 5, 7)
 TARGET = torch.randint(0, 7, (2, 5))
@@ -443,7 +445,7 @@ def test_non_contiguous_inputs_are_accepted_and_exact():
 )
 def test_torch_release(version, release):
     """Pre-releases and local builds (NGC's "2.13.0a0+…") count as their release."""
-    assert _torch_version.release(version) == release
+    assert _torch_compat.release(version) == release
 
 
 IMPORT_ON_OLD_TORCH = "import torch; torch.__version__ = '2.11.0'; import compiled_logprob"
@@ -473,7 +475,7 @@ def test_old_torch_is_allowed_with_a_warning_on_request():
 def test_device_side_messages_fit_cuda():
     """CUDA refuses a ``_assert_async`` message over 254 characters (every call would raise
     there, valid input included), so the package's checks refuse one on any device."""
-    assert len(_math.OWNERSHIP_ERROR) <= _math.DEVICE_MESSAGE_LIMIT == 254
-    _math.assert_async(torch.tensor(True), "x" * 254)
+    assert len(OWNERSHIP_ERROR) <= kernels.DEVICE_MESSAGE_LIMIT == 254
+    kernels.assert_async(torch.tensor(True), "x" * 254)
     with pytest.raises(AssertionError, match="over 254 characters"):
-        _math.assert_async(torch.tensor(True), "x" * 255)
+        kernels.assert_async(torch.tensor(True), "x" * 255)

@@ -32,7 +32,7 @@ from test_tp_numerics import (
 )
 
 import compiled_logprob as cl
-from compiled_logprob import _math
+from compiled_logprob._math import kernels, stats, topk
 from compiled_logprob.testing.reference import (
     oracle_entropy,
     oracle_log_softmax,
@@ -355,7 +355,7 @@ def test_local_topk_selects_the_top_values(vocab, k, dtype, special, seed):
     elif special == "nan":
         logits[0, 1, vocab // 2] = float("nan")
     logits = logits.to(dtype)
-    values, ids, row_max = _math.local_topk(logits, k)
+    values, ids, row_max = topk.local_topk(logits, k)
     expected = logits.topk(k, dim=-1).values
     assert torch.equal(values, expected) or torch.allclose(values, expected, equal_nan=True)
     assert torch.allclose(row_max, logits.amax(-1, keepdim=True), equal_nan=True, rtol=0, atol=0)
@@ -377,9 +377,9 @@ def test_sliced_row_reductions(vocab, dtype):
     x[4, vocab // 2] = float("-inf")
     x[5, -1] = float("nan")
     x = x.to(dtype)
-    torch.testing.assert_close(_math._row_max(x), x.amax(-1, keepdim=True), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(kernels.row_max(x), x.amax(-1, keepdim=True), rtol=0, atol=0, equal_nan=True)
     terms = (x.float() - 2).exp2()
-    torch.testing.assert_close(_math._row_sum(terms), terms.sum(-1, keepdim=True), equal_nan=True)
+    torch.testing.assert_close(kernels.row_sum(terms), terms.sum(-1, keepdim=True), equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -387,9 +387,9 @@ def test_local_topk_traced(dtype):
     """Compiled, Inductor's own code for the strided block maxima and the candidate gathers
     gives the same values as torch.topk, ids that hold them (ties included) and the row max."""
     gen = torch.Generator().manual_seed(3)
-    vocab = 4 * 8 * _math.TOPK_BLOCK + 17  # past the fallback to torch.topk, with a tail
+    vocab = 4 * 8 * topk.TOPK_BLOCK + 17  # past the fallback to torch.topk, with a tail
     logits = torch.randn(2, 5, vocab, generator=gen).mul(2).round().to(dtype)
-    traced = torch.compile(_math.local_topk, fullgraph=True, dynamic=False)
+    traced = torch.compile(topk.local_topk, fullgraph=True, dynamic=False)
     values, ids, row_max = traced(logits, 8)
     assert torch.equal(values, logits.topk(8, dim=-1).values)
     assert torch.equal(row_max, logits.amax(-1, keepdim=True))
@@ -420,7 +420,7 @@ def test_chunked(gloo_pool, chunk):
 def test_online_softmax_form(monkeypatch, case):
     """The statistics in the form Inductor's online softmax matches (taken on CUDA only,
     where it is Triton's), forced here and compiled on the CPU, against the oracle."""
-    monkeypatch.setattr(_math, "_uses_online_softmax", lambda logits: True)
+    monkeypatch.setattr(stats, "uses_online_softmax", lambda logits: True)
     monkeypatch.setattr(sys.modules[__name__], "_ours", numerics.compiled_per_case(_ours))
     _check_case(case, None)
 
@@ -435,15 +435,15 @@ def test_online_softmax_form_of_empty_and_infinite_rows():
     logits[0, 1, 7] = float("inf")
     logits[0, 2, :40] = float("-inf")
     temperature = torch.tensor([[0.5, 1.0, 1.5, 2.0], [0.7, 0.9, 1.1, 1.3]])
-    online = torch.cat(_math._online_softmax_stats(logits, temperature, True), dim=-1)
+    online = torch.cat(stats.online_softmax_stats(logits, temperature, True), dim=-1)
     assert torch.equal(online[0, 0], torch.tensor([float("-inf"), 0.0, 0.0]))
     assert torch.equal(online[0, 1, :2], torch.tensor([float("inf"), float("inf")]))
     finite_max = online[..., 0].isfinite()
     for eager in (False, True):
         shifted = torch.cat(
-            _math._shifted_stats(
-                logits, temperature=temperature, with_entropy=True, row_max=None,
-                eager=eager, workspace=None, spare=None,
+            stats.shifted_stats(
+                logits, temperature=temperature, with_entropy=True,
+                ops=kernels.Eager() if eager else kernels.Traced(),
             ),
             dim=-1,
         )

@@ -34,7 +34,7 @@ from test_tp_numerics import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compiled_logprob as cl
-from compiled_logprob import _math
+from compiled_logprob._math import filtering as _math
 from compiled_logprob import context_parallel as cp_api
 from compiled_logprob.testing.reference import oracle_filtered_log_softmax
 from compiled_logprob.testing.sync_check import no_host_syncs
@@ -294,7 +294,7 @@ def test_eager_row_blocks(top_k, top_p):
     options = {"top_k": top_k or 101, "top_p": top_p}
     whole = _math.filtered_stats(logits, target, temperature, None, None, **options)
     blocks = _math.filtered_stats(
-        logits, target, temperature, None, None, block_rows=4, **options
+        logits, target, temperature, None, None, rows_per_block=4, **options
     )
     for expected, actual in zip(whole, blocks, strict=True):
         assert torch.equal(actual, expected)

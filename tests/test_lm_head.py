@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
-from compiled_logprob import _lm_head_ops
+from compiled_logprob._ops import lm_head as _lm_head_ops
 from compiled_logprob.lm_head import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,

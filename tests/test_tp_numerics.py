@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
-from compiled_logprob import _ops
+from compiled_logprob._ops.blocks import seq_blocks
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_log_softmax,
@@ -483,6 +483,6 @@ def test_precision_does_not_degrade_with_logit_magnitude(compiled):
     ],
 )
 def test_eager_blocks_follow_the_device(device, shape, blocks):
-    planned = _ops._seq_blocks(torch.empty(shape, device=device), None)
+    planned = seq_blocks(torch.empty(shape, device=device), None)
     assert len(planned) == blocks
     assert sum(rows.stop - rows.start for rows, _, _ in planned) >= shape[1]

@@ -1,18 +1,15 @@
-"""Op registrations for token log-probs straight from hidden states (no logits tensor).
+"""``compiled_logprob::lm_head_stats`` and its backward: token log-probs straight from hidden
+states, the logits never materialised.
 
-* ``compiled_logprob::lm_head_stats(hidden, weight, target, temperature, *, vocab_start,
-  group_name, ignore_index, chunk_size, with_entropy, topk) -> (shift, log_total,
-  target_logit, entropy, topk_ids)``: per sequence chunk, the logits tile
+* ``lm_head_stats(hidden, weight, target, temperature, *, vocab_start, group_name,
+  ignore_index, chunk_size, with_entropy, topk) -> Stats``: per sequence chunk, the logits tile
   ``z = hidden @ weight.T / temperature`` (``temperature`` fp32 ``[B, S]``, or ``None`` for
   1), its per-row statistics and the logits of the targets ``[B, S, K]`` or, with ``topk``
-  > 0 (and no target), of this shard's top ``topk`` (``_math.topk_stats``); one all-gather
-  of the ``[B, S, F]`` statistics of the whole call over the TP group. The outputs are
-  ``_math.exchange_stats``'s (a log-prob is ``target_logit − log_total``; ``shift`` is not
-  differentiable); the entropy is 0 without ``with_entropy``. All fp32 ``[B, S]``, the
-  target logits ``[B, S, K]`` (``K = topk`` with a top-k, whose int64 ids are
-  ``topk_ids``).
-* ``compiled_logprob::lm_head_stats_backward``: recomputes each tile, forms its gradient with
-  ``_math.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
+  > 0 (and no target), of this shard's top ``topk``; one all-gather of the ``[B, S, F]``
+  statistics of the whole call over the TP group. The outputs are the logits op's
+  (``_math.merge.Stats``).
+* ``lm_head_stats_backward``: recomputes each tile, forms its gradient with
+  ``_math.grad.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
   (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
   because every rank's part covers only its vocabulary slice of the replicated hidden states.
   Only the gradients that autograd asks for are formed (the other is an empty tensor): a
@@ -28,10 +25,15 @@ vocabulary slice, ``R`` ranks of the vocab-parallel group, ``F`` statistics per 
 
 from __future__ import annotations
 
-import torch
-import torch.distributed._functional_collectives as funcol
+from typing import NamedTuple
 
-from compiled_logprob import _math
+import torch
+
+from compiled_logprob import _comm
+from compiled_logprob._math import grad as _grad
+from compiled_logprob._math import merge, stats, topk as _topk
+from compiled_logprob._math.kernels import Eager, block_rows
+from compiled_logprob._math.merge import Stats
 
 # Default chunk: positions such that one fp32 logits tile holds about this many elements
 # (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
@@ -39,9 +41,18 @@ from compiled_logprob import _math
 TILE_ELEMENTS = 1 << 24
 
 
-def _chunks(
+class Tile(NamedTuple):
+    """One chunk of positions, with its views of the buffers that every chunk reuses."""
+
+    rows: slice
+    logits: torch.Tensor  # [B, c, V_local], the inputs' dtype
+    workspace: torch.Tensor  # [B, c, V_local] fp32
+    spare: torch.Tensor | None  # [B, c, V_local] fp32, for a second temporary
+
+
+def _tiles(
     hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None, *, spare: bool
-) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+) -> list[Tile]:
     """The chunks of sequence positions, each with its ``[B, c, V_local]`` views of buffers
     that every chunk reuses: the logits tile (the inputs' dtype), an fp32 workspace and,
     when asked for (the entropy's second temporary), an fp32 ``spare``. Fresh tile-sized
@@ -62,8 +73,11 @@ def _chunks(
     # At least one (possibly empty) chunk: an empty sequence still joins the collective.
     for start in range(0, max(seq_len, 1), chunk_size):
         n = max(0, min(chunk_size, seq_len - start))
-        chunks.append((
-            slice(start, start + chunk_size), view(logits, n), view(fp32, n), view(fp32, n, 1) if spare else None
+        chunks.append(Tile(
+            slice(start, start + chunk_size),
+            view(logits, n),
+            view(fp32, n),
+            view(fp32, n, 1) if spare else None,
         ))
     return chunks
 
@@ -92,40 +106,40 @@ def lm_head_stats(
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (target is None) == (topk > 0), "the top-k are the targets"
-    stats = []
-    for rows, tile, workspace, spare in _chunks(hidden, weight, chunk_size, spare=with_entropy):
-        tile = _logits(hidden[:, rows], weight, tile)
+    parts = []
+    for tile in _tiles(hidden, weight, chunk_size, spare=with_entropy):
+        logits = _logits(hidden[:, tile.rows], weight, tile.logits)
         candidates, row_max = [], None
         if topk:
             # The block maxima that select the tile's top-k also give its row max.
-            top, row_max = _math.topk_stats(tile, topk, vocab_start)
+            top, row_max = _topk.topk_stats(logits, topk, vocab_start)
             candidates = [top]
-        tile_stats = _math.local_stats(
-            tile,
-            _math.block_rows(target, rows),
+        local = stats.local_stats(
+            logits,
+            block_rows(target, tile.rows),
             vocab_start,
-            temperature=_math.block_rows(temperature, rows),
+            temperature=block_rows(temperature, tile.rows),
             with_entropy=with_entropy,
             row_max=row_max,
-            eager=True,
-            workspace=workspace,
-            spare=spare,
+            ops=Eager(tile.workspace, tile.spare),
         )
-        stats.append(torch.cat([tile_stats, *candidates], dim=-1))
-    return _math.exchange_stats(
-        torch.cat(stats, dim=1),
-        target,
-        group_name,
-        ignore_index,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        topk=topk,
+        parts.append(torch.cat([local, *candidates], dim=-1))
+    return tuple(
+        merge.exchange_stats(
+            torch.cat(parts, dim=1),
+            target,
+            group_name,
+            ignore_index,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            topk=topk,
+        )
     )
 
 
 @lm_head_stats.register_fake
 def _(hidden, weight, target, temperature, *, topk, **options):
-    return _math.empty_exchanged_stats(hidden, target, topk)
+    return tuple(merge.empty_stats(hidden, target, topk))
 
 
 def _add_matmul(
@@ -141,7 +155,7 @@ def _add_matmul(
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats_backward", mutates_args=())
 def lm_head_stats_backward(
-    grad_log_total: torch.Tensor,
+    grad_log_norm: torch.Tensor,
     grad_target_logit: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     hidden: torch.Tensor,
@@ -149,7 +163,7 @@ def lm_head_stats_backward(
     target: torch.Tensor,
     temperature: torch.Tensor | None,
     shift: torch.Tensor,
-    log_total: torch.Tensor,
+    log_norm: torch.Tensor,
     entropy: torch.Tensor,
     *,
     vocab_start: int,
@@ -164,32 +178,27 @@ def lm_head_stats_backward(
     grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
     mixed = needs_grad_weight and weight.dtype != torch.float32
     product = weight.new_empty(weight.shape) if mixed else None
-    chunks = _chunks(hidden, weight, chunk_size, spare=grad_entropy is not None)
-    for rows, tile, workspace, spare in chunks:
-        grad = _math.grad_logits(
-            grad_log_total[:, rows],
-            grad_target_logit[:, rows],
-            _logits(hidden[:, rows], weight, tile),
+    grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy)
+    saved = _grad.RowStats(shift, log_norm, temperature, entropy)
+    for tile in _tiles(hidden, weight, chunk_size, spare=grad_entropy is not None):
+        rows = tile.rows
+        grad = _grad.grad_logits(
+            grads.block(rows),
+            saved.block(rows),
+            _logits(hidden[:, rows], weight, tile.logits),
             target[:, rows],
-            shift[:, rows],
-            log_total[:, rows],
             vocab_start,
             ignore_index,
-            temperature=_math.block_rows(temperature, rows),
-            grad_entropy=_math.block_rows(grad_entropy, rows),
-            entropy=entropy[:, rows],
-            eager=True,
-            workspace=workspace,
-            spare=spare,
+            ops=Eager(tile.workspace, tile.spare),
         )
         if grad.dtype != hidden.dtype:
-            grad = tile.copy_(grad)  # rounded once, into the tile: its logits are spent
+            grad = tile.logits.copy_(grad)  # rounded once, into the tile: its logits are spent
         if needs_grad_hidden:
             grad_hidden[:, rows] = grad @ weight
         if needs_grad_weight:
             _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1), product)
-    if needs_grad_hidden and group_name is not None:
-        grad_hidden = funcol.wait_tensor(funcol.all_reduce(grad_hidden, "sum", group_name))
+    if needs_grad_hidden:
+        grad_hidden = _comm.all_reduce_sum(grad_hidden, group_name)
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
@@ -202,7 +211,7 @@ def _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight):
 
 
 @lm_head_stats_backward.register_fake
-def _(grad_log_total, grad_target_logit, grad_entropy, hidden, weight, *rest, **options):
+def _(grad_log_norm, grad_target_logit, grad_entropy, hidden, weight, *rest, **options):
     hidden_shape, weight_shape = _grad_shapes(
         hidden, weight, options["needs_grad_hidden"], options["needs_grad_weight"]
     )
@@ -211,11 +220,14 @@ def _(grad_log_total, grad_target_logit, grad_entropy, hidden, weight, *rest, **
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, target, temperature = inputs
-    shift, log_total, _, entropy, topk_ids = output
-    ctx.mark_non_differentiable(shift)  # as in _ops: the other outputs are invariant to it
+    result = Stats(*output)
+    # As the logits op: the other outputs are invariant to the shift.
+    ctx.mark_non_differentiable(result.shift)
     if keyword_only_inputs["topk"]:
-        target = topk_ids
-    ctx.save_for_backward(hidden, weight, target, temperature, shift, log_total, entropy)
+        target = result.topk_ids
+    ctx.save_for_backward(
+        hidden, weight, target, temperature, result.shift, result.log_norm, result.entropy
+    )
     ctx.options = {
         name: keyword_only_inputs[name]
         for name in ("vocab_start", "group_name", "ignore_index", "chunk_size")
@@ -223,11 +235,11 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy, __):
-    hidden, weight, target, temperature, shift, log_total, entropy = ctx.saved_tensors
+def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __):
+    hidden, weight, target, temperature, shift, log_norm, entropy = ctx.saved_tensors
     needs_grad_hidden, needs_grad_weight, _, _ = ctx.needs_input_grad
     grad_hidden, grad_weight = lm_head_stats_backward(
-        grad_log_total,
+        grad_log_norm,
         grad_target_logit,
         grad_entropy if ctx.with_entropy else None,
         hidden,
@@ -235,7 +247,7 @@ def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy, __):
         target,
         temperature,
         shift,
-        log_total,
+        log_norm,
         entropy,
         **ctx.options,
         needs_grad_hidden=needs_grad_hidden,
@@ -250,3 +262,14 @@ def _backward(ctx, _, grad_log_total, grad_target_logit, grad_entropy, __):
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+def lm_head_stats_of(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    **options,
+) -> Stats:
+    """:func:`lm_head_stats` with its outputs named."""
+    return Stats(*lm_head_stats(hidden, weight, target, temperature, **options))

@@ -1,0 +1,82 @@
+"""Every collective the package runs, and "who am I in this group".
+
+Ops take a group by name (``group_name``: a custom op's schema holds a string, not a
+``ProcessGroup``), public functions by object; ``None`` stands for an unsharded dimension
+everywhere. All collectives are torch's functional ones, waited on at once: the compiler
+sees them as graph nodes (and may overlap them), and no buffer is written in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from compiled_logprob._torch_compat import (
+    all_gather_single,
+    all_reduce,
+    all_to_all_single,
+    resolve_process_group,
+    wait_tensor,
+)
+
+
+def group_name(group: dist.ProcessGroup | None) -> str | None:
+    """The name the ops take, or ``None`` when the dimension is not sharded (no group, or a
+    group of one rank)."""
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    if group.size() == 1:
+        return None
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "a process group was passed but torch.distributed is not initialised (or was "
+            "destroyed): call torch.distributed.init_process_group(...) first, or pass "
+            "group=None for an unsharded vocabulary"
+        )
+    return group.group_name
+
+
+def size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(size, rank)`` of a validated group; ``(1, 0)`` for ``None`` or a group of one."""
+    if group_name(group) is None:
+        return 1, 0
+    return group.size(), group.rank()
+
+
+def named_size_rank(name: str | None) -> tuple[int, int]:
+    """``(size, rank)`` of the group an op received by name; ``(1, 0)`` for ``None``. Eager
+    only: Dynamo cannot trace the lookup (ops run it in their kernels and decompositions)."""
+    if name is None:
+        return 1, 0
+    group = resolve_process_group(name)
+    return group.size(), group.rank()
+
+
+def gather_ranks(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    """Every rank's ``tensor`` ``[B, ...]`` stacked as ``[R, B, ...]`` (one all-gather)."""
+    if name is None:
+        return tensor.unsqueeze(0)
+    return all_gather(tensor, name).unflatten(0, (-1, tensor.shape[0]))
+
+
+def all_gather(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order. Differentiable: the
+    backward is one reduce-scatter (sum) of the gradient."""
+    return all_gather_single(tensor.contiguous(), 0, name)
+
+
+def all_reduce_sum(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    """``Σ_ranks tensor`` (``tensor`` itself for ``None``); not differentiable."""
+    if name is None:
+        return tensor
+    return wait_tensor(all_reduce(tensor, "sum", name))
+
+
+def all_to_all(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Rank ``r`` receives block ``r`` of every rank's ``tensor`` (dim 0 cut in ``R`` equal
+    blocks), concatenated in rank order; not differentiable."""
+    return wait_tensor(all_to_all_single(tensor.contiguous(), None, None, name))

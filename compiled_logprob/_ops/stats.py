@@ -1,0 +1,218 @@
+"""``compiled_logprob::vocab_parallel_stats`` and its backward: the full vocabulary's per-row
+statistics of vocab-sharded logits (every token log-prob, logsumexp, entropy and top-k of
+the package comes from them).
+
+* ``vocab_parallel_stats(logits, target, temperature, *, vocab_start, group_name,
+  ignore_index, with_entropy, topk, chunk_size) -> Stats``: ``shift``, ``log_norm``, the
+  targets' ``target_logit`` ``[B, S, K]``, the ``entropy`` (with ``with_entropy``) and, with
+  ``topk`` > 0 (and no target), the global top ``topk`` as the targets, with their
+  ``topk_ids`` (``_math.merge.Stats``). One all-gather of ``[B, S, F]`` statistics per call
+  is all the communication.
+* ``vocab_parallel_stats_backward``: the gradient of the differentiable outputs, written
+  straight into one gradient buffer of the logits' dtype (with a ``threshold``, of the
+  filtered softmax: ``filtering``'s backward too). No collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_logprob._math import grad as _grad
+from compiled_logprob._math import merge, stats, topk as _topk
+from compiled_logprob._math.kernels import Eager, block_rows
+from compiled_logprob._math.merge import Stats
+from compiled_logprob._ops.blocks import seq_blocks
+from compiled_logprob._torch_compat import register_decomposition
+
+
+@torch.library.custom_op("compiled_logprob::vocab_parallel_stats", mutates_args=())
+def vocab_parallel_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    group_name: str | None,
+    ignore_index: int | None,
+    with_entropy: bool,
+    topk: int,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert not (topk and target is not None), "the top-k are the targets"
+    extra, row_max = [], None
+    if target is not None:
+        # K entries per row: one gather for all rows, not a few small ops per block.
+        extra = [stats.target_stats(logits, target, vocab_start)]
+    elif topk:
+        # One selection for all rows (or per chunk); the block maxima give the row max and
+        # spare the blocks their max pass.
+        step = chunk_size or max(logits.shape[1], 1)
+        parts = [
+            _topk.topk_stats(logits[:, start : start + step], topk, vocab_start)
+            for start in range(0, max(logits.shape[1], 1), step)
+        ]
+        extra = [torch.cat([candidates for candidates, _ in parts], dim=1)]
+        row_max = torch.cat([part_max for _, part_max in parts], dim=1)
+    local = torch.cat(
+        [
+            stats.local_stats(
+                logits[:, block.rows],
+                None,
+                vocab_start,
+                temperature=block_rows(temperature, block.rows),
+                with_entropy=with_entropy,
+                row_max=block_rows(row_max, block.rows),
+                ops=Eager(block.workspace, block.spare),
+            )
+            for block in seq_blocks(logits, chunk_size, spare=with_entropy)
+        ],
+        dim=1,
+    )
+    return tuple(
+        merge.exchange_stats(
+            torch.cat([local, *extra], dim=-1),
+            target,
+            group_name,
+            ignore_index,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            topk=topk,
+        )
+    )
+
+
+@vocab_parallel_stats.register_fake
+def _(logits, target, temperature, *, topk, **options):
+    return tuple(merge.empty_stats(logits, target, topk))
+
+
+@register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats.default)
+def _decompose_stats(
+    logits, target, temperature, *, vocab_start, group_name, ignore_index, with_entropy, topk,
+    chunk_size,
+):
+    candidates, row_max = None, None
+    if topk:
+        candidates, row_max = _topk.topk_stats(logits, topk, vocab_start)
+    local = stats.local_stats(
+        logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy,
+        row_max=row_max,
+    )
+    if topk:
+        local = torch.cat([local, candidates], dim=-1)
+    return tuple(
+        merge.exchange_stats(
+            local, target, group_name, ignore_index, temperature=temperature,
+            with_entropy=with_entropy, topk=topk,
+        )
+    )
+
+
+@torch.library.custom_op("compiled_logprob::vocab_parallel_stats_backward", mutates_args=())
+def vocab_parallel_stats_backward(
+    grad_log_norm: torch.Tensor,
+    grad_target_logit: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    shift: torch.Tensor,
+    log_norm: torch.Tensor,
+    entropy: torch.Tensor | None,
+    threshold: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    ignore_index: int | None,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy)
+    saved = _grad.RowStats(shift, log_norm, temperature, entropy, threshold)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    # Each block's gradient is formed in place in fp32: in the gradient itself when it is
+    # fp32, else in a workspace, rounded once by the copy into the gradient.
+    in_grad = grad.dtype == torch.float32
+    one_hot = None
+    if target is not None:
+        # The one-hot terms' [B, S, K] operands, formed once rather than block by block.
+        one_hot = _grad.target_terms(
+            grad_target_logit, target, vocab_start, logits.shape[-1], ignore_index, temperature
+        )
+    blocks = seq_blocks(logits, chunk_size, workspace=not in_grad, spare=grad_entropy is not None)
+    for block in blocks:
+        out = grad[:, block.rows]
+        ops = Eager(out if in_grad else block.workspace, block.spare)
+        result = _grad.grad_logits(
+            grads.block(block.rows), saved.block(block.rows), logits[:, block.rows], None,
+            vocab_start, ignore_index, ops=ops,
+        )
+        if one_hot is not None:
+            result = _grad.add_target_terms_(result, *(block_rows(t, block.rows) for t in one_hot))
+        if result is not out:
+            out.copy_(result)
+    return grad
+
+
+@vocab_parallel_stats_backward.register_fake
+def _(grad_log_norm, grad_target_logit, grad_entropy, logits, *rest, **options):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats_backward.default)
+def _decompose_backward(
+    grad_log_norm, grad_target_logit, grad_entropy, logits, target, temperature, shift,
+    log_norm, entropy, threshold, *, vocab_start, ignore_index, chunk_size,
+):
+    return _grad.grad_logits(
+        _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy),
+        _grad.RowStats(shift, log_norm, temperature, entropy, threshold),
+        logits,
+        target,
+        vocab_start,
+        ignore_index,
+    )
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    logits, target, temperature = inputs
+    result = Stats(*output)
+    # The shift only centres the others, which are invariant to it: they carry all the
+    # gradient, with the shift held constant.
+    ctx.mark_non_differentiable(result.shift)
+    if keyword_only_inputs["topk"]:
+        target = result.topk_ids
+    ctx.save_for_backward(logits, target, temperature, result.shift, result.log_norm, result.entropy)
+    ctx.options = {
+        name: keyword_only_inputs[name] for name in ("vocab_start", "ignore_index", "chunk_size")
+    }
+    ctx.with_entropy = keyword_only_inputs["with_entropy"]
+
+
+def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __):
+    logits, target, temperature, shift, log_norm, entropy = ctx.saved_tensors
+    grad = vocab_parallel_stats_backward(
+        grad_log_norm,
+        grad_target_logit,
+        grad_entropy if ctx.with_entropy else None,
+        logits,
+        target,
+        temperature,
+        shift,
+        log_norm,
+        entropy,
+        None,
+        **ctx.options,
+    )
+    return grad, None, None
+
+
+vocab_parallel_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+def stats_of(
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    **options,
+) -> Stats:
+    """:func:`vocab_parallel_stats` with its outputs named."""
+    return Stats(*vocab_parallel_stats(logits, target, temperature, **options))

@@ -1,0 +1,429 @@
+"""Vocab-parallel token log-probs: the functional API.
+
+Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``V`` the full
+vocabulary, ``V_local`` this rank's vocabulary slice ``[vocab_start, vocab_start + V_local)``.
+
+Every function takes the logits of one vocabulary shard and returns values defined over the
+*full* vocabulary: only per-row ``[B, S]`` statistics cross ranks (one all-gather per call,
+chunked or not). The backward of the per-row results (log-probs, logsumexp) communicates
+nothing; only the sharded log-softmax, whose every entry depends on every shard, all-reduces
+one ``[B, S]`` vector in backward. All of it traces whole under
+``torch.compile(fullgraph=True)``, performs no host synchronisation (so it can be captured
+in CUDA graphs) and needs no ``torch.distributed`` at all when ``group`` is ``None``.
+Top-k/top-p filtering needs whole rows: it adds one all-to-all of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from compiled_logprob import _comm, _validation
+from compiled_logprob._math import stats as _local, topk as _topk
+from compiled_logprob._math.kernels import assert_async
+from compiled_logprob._math.merge import OWNERSHIP_ERROR, Stats
+from compiled_logprob._ops.cross_entropy import cross_entropy_of
+from compiled_logprob._ops.filtering import filtered_stats_of
+from compiled_logprob._ops.stats import stats_of
+from compiled_logprob._validation import Options
+
+__all__ = [
+    "token_logprobs",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_entropy",
+    "vocab_parallel_log_softmax",
+    "vocab_parallel_logits_at",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_topk",
+    "vocab_parallel_topk_logits",
+]
+
+
+def _stats(
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    options: Options,
+    temperature: float | torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    topk: int = 0,
+) -> Stats:
+    """The op's :class:`~compiled_logprob._math.merge.Stats` of ``target`` ``[..., S, K]``, or
+    of the top ``topk`` ids when ``target`` is ``None``, in the logits' leading shape."""
+    rows_shape = logits.shape[:-1]
+    stats = stats_of(
+        _validation.as_batch(logits, 2),
+        None if target is None else _validation.as_batch(target, 2),
+        _validation.temperature_rows(temperature, rows_shape, logits.device),
+        **options._asdict(),
+        with_entropy=with_entropy,
+        topk=topk,
+    )
+    return Stats(
+        stats.shift.view(rows_shape),
+        stats.log_norm.view(rows_shape),
+        stats.target_logit.view(*rows_shape, stats.target_logit.shape[-1]),
+        stats.entropy.view(rows_shape),
+        stats.topk_ids.view(*rows_shape, topk),
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    ignore_index: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token under the softmax over the full vocabulary.
+
+    Eager equivalent: ``torch.log_softmax(full_logits.float() / temperature, -1).gather(-1, target[..., None])[..., 0]``
+    where ``full_logits`` is the concatenation of every rank's shard along the vocabulary.
+
+    Args:
+        logits: ``[..., S, V_local]``, any floating dtype; the math runs in fp32.
+        target: ``[..., S]`` global token ids (integer dtype), or ``[..., S, K]`` for the
+            log-probs of ``K`` ids per position (distillation).
+        vocab_start: first global vocabulary id of this rank's shard.
+        group: the vocab-parallel (tensor-parallel) group; ``None`` or a group of size 1 means
+            the vocabulary is not sharded.
+        chunk_size: process at most this many positions at a time, so that no eager
+            temporary exceeds ``O(B * chunk_size * V_local)`` (compiled, the fused pass keeps
+            no such temporary at all). Still one collective per call.
+        ignore_index: targets equal to it get log-prob 0 and no gradient.
+        temperature: the softmax is over ``logits / temperature``: a float, or a tensor that
+            broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row). The scaled logits are
+            never materialised.
+        return_entropy: also return the entropy of the full-vocabulary distribution at each
+            position, ``[..., S]``, from the same pass over the logits (differentiable).
+        top_k, top_p: score under a sampler's filtered distribution (top-k, then top-p, of
+            the logits over ``temperature``, as vLLM and NeMo-RL filter): the ids kept are
+            those of at least the ``top_k``-th largest logit (ties kept), then of those the
+            fewest most probable whose mass reaches ``top_p`` (tied ids kept or dropped
+            together); the softmax is over the kept ids, and a target filtered out has
+            log-prob ``-inf`` and no gradient. ``None`` and ``1.0`` filter nothing. Needs an
+            even split in rank order (``vocab_start = rank * V_local``, NeMo-RL's layout),
+            and not ``return_entropy``. Filtering needs whole rows: one all-to-all of the
+            logits hands each rank ``1 / TP`` of the rows, whole, to filter (as NeMo-RL
+            does), and one all-gather of ``[B·S / TP, 3 + K]`` statistics brings the rows'
+            back (per chunk, with ``chunk_size``); backward communicates nothing.
+
+    Returns:
+        fp32 log-probs of ``target``'s shape, differentiable with respect to ``logits``
+        (gradient in their dtype); with ``return_entropy``, ``(logprobs, entropy)``.
+
+    A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
+    the device without a host sync (``torch._assert_async``).
+    """
+    _validation.check_logits(logits)
+    _validation.check_target(logits, target, ignore_index)
+    opts = _validation.options(
+        vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
+    )
+    filtering = _validation.filter_options(top_k, top_p, logits, opts, group, return_entropy)
+    return _token_logprobs(logits, target, opts, temperature, return_entropy, filtering)
+
+
+def _token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    options: Options,
+    temperature: float | torch.Tensor,
+    return_entropy: bool,
+    filtering: tuple[int, float] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` of validated arguments (the context-parallel entry points call
+    it for their local positions)."""
+    per_position = target.dim() == logits.dim() - 1
+    ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
+    if filtering is not None:
+        return _filtered_logprobs(logits, ids, options, temperature, *filtering).view(target.shape)
+    stats = _stats(logits, ids, options, temperature, with_entropy=return_entropy)
+    return logprob_outputs(
+        stats.target_logit, stats.log_norm, stats.entropy, target, per_position,
+        options.ignore_index, return_entropy,
+    )
+
+
+def logprob_outputs(
+    target_logit: torch.Tensor,
+    log_norm: torch.Tensor,
+    entropy: torch.Tensor,
+    target: torch.Tensor,
+    per_position: bool,
+    ignore_index: int | None,
+    return_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of ``target`` (``[..., S]``, ``per_position``, or ``[..., S, K]``; 0
+    where ignored) and, with ``return_entropy``, the entropy ``[..., S]`` (0 where every id
+    of a position is ignored), from the statistics ``target_logit`` ``[*, K]``, ``log_norm``
+    and ``entropy`` ``[*]`` over the same positions, in any leading shape."""
+    logprobs = (target_logit - log_norm.unsqueeze(-1)).view(target.shape)
+    if ignore_index is not None:
+        logprobs = torch.where(target == ignore_index, 0.0, logprobs)
+    if not return_entropy:
+        return logprobs
+    entropy = entropy.view(target.shape if per_position else target.shape[:-1])
+    if ignore_index is not None and (per_position or target.shape[-1]):
+        # Positions whose every id is ignored (K = 0 ids ignore nothing).
+        ignored = target == ignore_index
+        entropy = torch.where(ignored if per_position else ignored.all(-1), 0.0, entropy)
+    return logprobs, entropy
+
+
+def _filtered_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    options: Options,
+    temperature: float | torch.Tensor,
+    top_k: int,
+    top_p: float,
+) -> torch.Tensor:
+    """Validated :func:`token_logprobs` with filtering, of ``target`` ``[..., S, K]``."""
+    batched_target = _validation.as_batch(target, 2)
+    stats = filtered_stats_of(
+        _validation.as_batch(logits, 2),
+        batched_target,
+        _validation.temperature_rows(temperature, logits.shape[:-1], logits.device),
+        **options._asdict(),
+        top_k=top_k,
+        top_p=top_p,
+    )
+    # A filtered-out id's log-prob is the constant -inf: no gradient flows from it.
+    logprobs = torch.where(
+        stats.target_logit == -torch.inf,
+        -torch.inf,
+        stats.target_logit - stats.log_norm.unsqueeze(-1),
+    )
+    if options.ignore_index is not None:
+        logprobs = torch.where(batched_target == options.ignore_index, 0.0, logprobs)
+    return logprobs
+
+
+def vocab_parallel_logsumexp(
+    logits: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Logsumexp over the full (sharded) vocabulary, fp32 ``[..., S]``, differentiable.
+
+    Eager equivalent: ``torch.logsumexp(full_logits.float() / temperature, -1)``.
+    """
+    _validation.check_logits(logits)
+    opts = _validation.options(group=group, chunk_size=chunk_size)
+    stats = _stats(logits, None, opts, temperature)
+    return stats.shift / _validation.fp32_temperature(temperature) + stats.log_norm
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Entropy of the full-vocabulary distribution per position, fp32 ``[..., S]``, differentiable.
+
+    Eager equivalent: ``torch.distributions.Categorical(logits=full_logits.float() / temperature).entropy()``.
+    One all-gather of ``[..., S, 3]`` statistics; no collective in backward.
+    """
+    _validation.check_logits(logits)
+    opts = _validation.options(group=group, chunk_size=chunk_size)
+    return _stats(logits, None, opts, temperature, with_entropy=True).entropy
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Cross-entropy of the target logits' distribution relative to the logits', over the full
+    (sharded) vocabulary, fp32 ``[..., S]``: a distillation loss (the forward KL from the
+    target's distribution up to that distribution's entropy, a constant for the student).
+
+    Eager equivalent: ``-(torch.softmax(full_target.float() / temperature, -1) * torch.log_softmax(full_logits.float() / temperature, -1)).sum(-1)``.
+
+    Args:
+        logits: ``[..., S, V_local]``, the student's logits on this rank's vocabulary slice.
+        target_logits: the same shape, sharded the same way: the teacher's logits (any
+            floating dtype; both are read in fp32).
+        group: the vocab-parallel group; ``None`` (or size 1): the vocabulary is not sharded.
+        chunk_size: sequence positions per eager block (bounds the temporaries).
+        temperature: both softmaxes are of ``logits / temperature``; a float or a tensor that
+            broadcasts to ``[..., S]``, as in :func:`token_logprobs`.
+
+    Differentiable with respect to both inputs (detach ``target_logits`` for a fixed
+    teacher: no gradient is computed for it then). One all-gather of ``[..., S, 5]``
+    statistics; the backward is one elementwise pass per input, with no collective. The
+    result stays accurate for logits ×1000 (its two parts are non-negative sums); it is
+    ``inf`` where the target puts mass on a ``-inf`` logit, and NaN for a NaN logit.
+    """
+    _validation.check_logits(logits)
+    _validation.check_logits(target_logits, "target_logits")
+    if target_logits.shape != logits.shape or target_logits.device != logits.device:
+        raise ValueError(
+            f"target_logits ({tuple(target_logits.shape)} on {target_logits.device}) must have "
+            f"the logits' shape {tuple(logits.shape)} and device {logits.device}: the same "
+            "positions and vocabulary shard"
+        )
+    opts = _validation.options(group=group, chunk_size=chunk_size)
+    rows_shape = logits.shape[:-1]
+    stats = cross_entropy_of(
+        _validation.as_batch(logits, 2),
+        _validation.as_batch(target_logits, 2),
+        _validation.temperature_rows(temperature, rows_shape, logits.device),
+        group_name=opts.group_name,
+        chunk_size=opts.chunk_size,
+    )
+    return stats.cross_entropy.view(rows_shape)
+
+
+def vocab_parallel_topk(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens over the full (sharded) vocabulary and their log-probs.
+
+    Eager equivalent: ``torch.log_softmax(full_logits.float() / temperature, -1).topk(k)``.
+
+    Returns ``(logprobs, ids)``, both ``[..., S, k]``: fp32 log-probs (differentiable with
+    respect to ``logits``) and int64 global vocabulary ids, sorted by decreasing probability.
+    Each rank finds its local top ``k`` in the statistics pass of :func:`token_logprobs`
+    (the block maxima that select them also give the row max), and the one all-gather of
+    statistics carries them, so that the global ones are picked after it. Beyond the
+    plain pass, it keeps one temporary: the block maxima, ``[..., S, V_local / 16]`` (per
+    chunk of ``chunk_size`` positions in eager). Requires ``k <= V_local`` on every rank:
+    with uneven shards, ``k`` at most the smallest shard (a rank with fewer entries raises
+    before the collective, which the others would then wait in).
+    """
+    _validation.check_logits(logits)
+    opts = _validation.options(vocab_start=vocab_start, group=group, chunk_size=chunk_size)
+    k = _validation.check_topk(k, opts.vocab_start, logits.shape[-1])
+    stats = _stats(logits, None, opts, temperature, topk=k)
+    return stats.target_logit - stats.log_norm.unsqueeze(-1), stats.topk_ids
+
+
+def vocab_parallel_log_softmax(
+    logits: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """This shard of the log-softmax over the full vocabulary, ``[..., S, V_local]``.
+
+    Eager equivalent: ``torch.log_softmax(full_logits.float() / temperature, -1)[..., vocab_start:vocab_end].to(dtype)``.
+    The result is ``dtype`` (default: the logits' dtype); ``temperature`` as in
+    :func:`token_logprobs`. Unlike the token log-probs this materialises a full
+    ``[..., S, V_local]`` tensor, and ``chunk_size`` bounds only the statistics pass: forward
+    and backward each form fp32 temporaries of the output's size. Prefer
+    :func:`token_logprobs` when only the targets' log-probs are needed. Its backward
+    all-reduces one fp32 ``[..., S]`` gradient over ``group``: every rank's output depends
+    on every shard.
+    """
+    _validation.check_logits(logits)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    opts = _validation.options(group=group, chunk_size=chunk_size)
+    stats = _stats(logits.detach(), None, opts, temperature)
+    temperature = _validation.fp32_temperature(temperature)
+    per_row = isinstance(temperature, torch.Tensor)
+    inverse_t = 1.0 / (temperature.unsqueeze(-1) if per_row else temperature)
+    return _LogSoftmax.apply(
+        logits, stats.shift, stats.log_norm, inverse_t, opts.group_name, dtype or logits.dtype
+    )
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """``(logits − shift) / temperature − log_norm`` with the gradient
+    ``(G − softmax · sum(G)) / temperature`` formed in fp32, rounded once.
+
+    The output is sharded but depends on every shard through ``log_norm``, so ``sum(G)``
+    runs over the full vocabulary: one fp32 ``[..., S]`` all-reduce over the group.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, shift, log_norm, inverse_t, group_name, dtype):
+        ctx.save_for_backward(logits, shift, log_norm)
+        ctx.inverse_t, ctx.group_name = inverse_t, group_name
+        return _LogSoftmax.fp32(logits, shift, log_norm, inverse_t).to(dtype)
+
+    @staticmethod
+    def fp32(logits, shift, log_norm, inverse_t):
+        return (logits.float() - shift.unsqueeze(-1)) * inverse_t - log_norm.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, shift, log_norm = ctx.saved_tensors
+        grad = grad.float()
+        grad_sum = grad.sum(-1)
+        grad_sum = _comm.all_reduce_sum(grad_sum, ctx.group_name)
+        softmax = torch.exp(_LogSoftmax.fp32(logits, shift, log_norm, ctx.inverse_t))
+        grad_logits = (grad - grad_sum.unsqueeze(-1) * softmax) * ctx.inverse_t
+        return grad_logits.to(logits.dtype), None, None, None, None, None
+
+
+def vocab_parallel_topk_logits(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits over the full (sharded) vocabulary, fp32 ``[..., S, k]`` in
+    decreasing order, and their int64 global ids; not differentiable.
+
+    Eager equivalent: ``full_logits.float().topk(k)``.
+    One all-gather of ``[..., S, 2k]`` candidates, which block maxima select (as in
+    :func:`vocab_parallel_topk`, which gives log-probs with gradients); ``k`` at most every
+    rank's ``V_local``.
+    """
+    _validation.check_logits(logits)
+    opts = _validation.options(vocab_start=vocab_start, group=group)
+    k = _validation.check_topk(k, opts.vocab_start, logits.shape[-1])
+    candidates, _ = _topk.topk_stats(logits.detach(), k, opts.vocab_start)
+    return _topk.merge_topk(_comm.gather_ranks(candidates, opts.group_name), k)
+
+
+def vocab_parallel_logits_at(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The logits at ``K`` global ids per position, fp32 ``[..., S, K]``, from this rank's
+    shard ``[..., S, V_local]`` and ``ids`` ``[..., S, K]``.
+
+    Eager equivalent: ``full_logits.float().gather(-1, ids)``.
+    Differentiable: each rank's logits receive the upstream gradient at the ids they own
+    (the sum over ranks is not differentiated). An id that no rank owns is an error (on
+    the device), not a logit of 0. One all-reduce of ``[..., S, 2K]``.
+    """
+    _validation.check_logits(logits)
+    _validation.check_target(logits, ids, None)
+    opts = _validation.options(vocab_start=vocab_start, group=group)
+    k = ids.shape[-1]
+    # [x at each id where this shard owns it, else 0; 1.0 where it owns it]: summed over TP.
+    local = _local.target_stats(logits, ids, opts.vocab_start)
+    total = _comm.all_reduce_sum(local.detach(), opts.group_name)
+    assert_async((total[..., k:] == 1).all(), OWNERSHIP_ERROR)
+    # The sum's value, with each rank's gradient flowing to its own ids only.
+    return (local + (total - local.detach()))[..., :k]
