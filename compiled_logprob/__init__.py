@@ -22,6 +22,7 @@ from compiled_logprob.lm_head import (
     lm_head_topk,
 )
 from compiled_logprob.logits import (
+    gather_vocab_parallel,
     token_logprobs,
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
@@ -38,6 +39,7 @@ __all__ = [
     "context_parallel_logprobs",
     "dtensor_logprobs",
     "gather_context_parallel",
+    "gather_vocab_parallel",
     "lm_head_context_parallel_logprobs",
     "lm_head_packed_context_parallel_logprobs",
     "lm_head_token_logprobs",

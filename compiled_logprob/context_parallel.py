@@ -53,7 +53,7 @@ def _check_local_len(local_len: int, size: int, what: str) -> None:
         )
 
 
-def _shard(tensor: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+def shard_rank(tensor: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
     if size == 1:
         return tensor
     dim = _normalized_dim(tensor, dim)
@@ -76,7 +76,7 @@ def shard_for_context_parallel(
     (or a group of size 1) returns ``tensor`` itself.
     """
     size, rank = _comm.size_rank(group)
-    return _shard(tensor, rank, size, dim)
+    return shard_rank(tensor, rank, size, dim)
 
 
 def gather_context_parallel(
@@ -134,7 +134,7 @@ def check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None:
         raise ValueError(f"input_ids are on {input_ids.device} but {name} on {tensor.device}")
 
 
-def _logits_logprobs(
+def logits_local_fn(
     logits, input_ids, *, vocab_start, group, chunk_size, ignore_index, top_k, top_p,
     return_entropy,
 ):
@@ -261,7 +261,7 @@ def context_parallel_logprobs(
     the upstream gradients at its positions. With ``return_entropy``, returns
     ``(logprobs, entropy)``.
     """
-    local_fn = _logits_logprobs(
+    local_fn = logits_local_fn(
         logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
         ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
     )
@@ -428,7 +428,7 @@ def packed_context_parallel_logprobs(
     Within each sequence, position t scores token t + 1; the last position's (wrapped)
     target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
     """
-    local_fn = _logits_logprobs(
+    local_fn = logits_local_fn(
         logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
         ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
     )

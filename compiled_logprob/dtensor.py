@@ -120,7 +120,7 @@ def _natural_ids(
     return ids, cp_group, seq_index
 
 
-def _local_logprobs(
+def local_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
     vocab_start: int,
@@ -199,7 +199,7 @@ def dtensor_logprobs(
             f"top_k/top_p need the vocabulary split evenly over the {tp_group.size()} TP ranks, "
             f"but V = {logits.shape[-1]}: pad the vocabulary to a multiple of the TP size"
         )
-    return _local_logprobs(
+    return local_logprobs(
         logits.to_local(),
         input_ids,
         start,

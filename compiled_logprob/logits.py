@@ -28,6 +28,7 @@ from compiled_logprob._ops.stats import stats_of
 from compiled_logprob._validation import Options
 
 __all__ = [
+    "gather_vocab_parallel",
     "token_logprobs",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
@@ -427,3 +428,25 @@ def vocab_parallel_logits_at(
     assert_async((total[..., k:] == 1).all(), OWNERSHIP_ERROR)
     # The sum's value, with each rank's gradient flowing to its own ids only.
     return (local + (total - local.detach()))[..., :k]
+
+
+def gather_vocab_parallel(
+    tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Every rank's vocabulary shard ``[..., V_local]`` concatenated in rank order,
+    ``[..., V]``, on every rank; every rank's shard must be of the same width.
+
+    Eager equivalent: ``torch.cat([shard of rank r for r in range(R)], -1)``.
+    Differentiable: each rank's ``tensor`` receives its own slice of its own upstream
+    gradient (as Megatron's ``gather_from_tensor_model_parallel_region``), for a loss that
+    every rank computes alike. One all-gather forward, no collective backward; the full
+    ``[..., V]`` is materialised (prefer the per-row functions above when they suffice).
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        raise TypeError(f"tensor must be a torch.Tensor of shape [..., V_local], got {tensor!r:.80}")
+    name = _comm.group_name(group)
+    if name is None:
+        return tensor
+    _, rank = _comm.size_rank(group)
+    parts = _comm.gather_ranks(tensor.detach(), name).unbind(0)
+    return torch.cat([tensor if r == rank else part for r, part in enumerate(parts)], dim=-1)

@@ -40,6 +40,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compiled_logprob as cl
+from compiled_logprob import nemo_compat
 from compiled_logprob._math.topk import TOPK_BLOCK
 from compiled_logprob._ops import filtering as filtering_ops
 from compiled_logprob._ops import stats as stats_ops
@@ -222,6 +223,24 @@ def _cp_shift_next(logits, target, start, end, group):
     return cl.cp_shift_next(logits.sum(-1, keepdim=True), group, fill=0.0)
 
 
+def _vocab_parallel_topk_logits(logits, target, start, end, group):
+    values, ids = cl.vocab_parallel_topk_logits(logits, 3, vocab_start=start, group=group)
+    return torch.cat([values, ids.float()], dim=-1)
+
+
+def _vocab_parallel_logits_at(logits, target, start, end, group):
+    ids = torch.stack([target, (target * 5 + 1) % VOCAB], dim=-1)
+    return cl.vocab_parallel_logits_at(logits, ids, vocab_start=start, group=group)
+
+
+def _vocab_parallel_full_log_softmax(logits, target, start, end, group):
+    # The gather takes shards of one width: the first VOCAB // TP ids of each.
+    size = 1 if group is None else group.size()
+    return nemo_compat.vocab_parallel_full_log_softmax(
+        logits[..., : VOCAB // size], 0.9, tp_group=group
+    )
+
+
 ENTRY_POINTS = {
     fn.__name__.lstrip("_"): fn
     for fn in (
@@ -252,6 +271,9 @@ ENTRY_POINTS = {
         _vocab_parallel_argmax,
         _group_all_reduce_sum_with_grad,
         _cp_shift_next,
+        _vocab_parallel_topk_logits,
+        _vocab_parallel_logits_at,
+        _vocab_parallel_full_log_softmax,
     )
 }
 # The raw logits at given ids sum the shards' in one all-reduce (its backward is each
@@ -265,6 +287,8 @@ FORWARD_COLLECTIVES = {
     "gather_logits_at_global_indices": {"_c10d_functional::all_reduce": 1},
     "vocab_parallel_gather_columns": {"_c10d_functional::all_reduce": 1},
     "group_all_reduce_sum_with_grad": {"_c10d_functional::all_reduce": 1},
+    "vocab_parallel_logits_at": {"_c10d_functional::all_reduce": 1},
+    "vocab_parallel_full_log_softmax": {"_c10d_functional::all_gather_into_tensor": 2},
     "token_logprobs_top_k_top_p": FILTERED,
     "chunked_distributed_logprob_with_sampling": FILTERED,
 }
@@ -273,6 +297,7 @@ SHARDED_OUTPUT = {
     "log_softmax_temperature",
     "compute_distributed_log_softmax",
     "compute_distributed_log_softmax_with_grad",
+    "vocab_parallel_full_log_softmax",
 }
 
 

@@ -199,12 +199,12 @@ CASES = {
         TypeError,
         ["top_p must be a float in (0, 1]", "'0.9'"],
     ),
-    "top_k_zero": (
+    "top_k_negative": (
         lambda: cl.from_parallel_logits_to_logprobs(
-            LOGITS, TARGET, 0, 7, None, False, None, None, SamplingParams(top_k=0)
+            LOGITS, TARGET, 0, 7, None, False, None, None, SamplingParams(top_k=-2)
         ),
         ValueError,
-        ["top_k must be >= 1, got 0"],
+        ["top_k must be >= 1, got -2"],
     ),
     "top_k_float": (
         lambda: cl.DistributedLogprobWithSampling.apply(LOGITS, TARGET, None, 2.5, 1.0),
