@@ -1,4 +1,9 @@
-"""Shared fixtures: one persistent gloo pool per world size for the whole session."""
+"""Shared fixtures: one persistent gloo pool per world size for the whole session.
+
+A pool call that outlives its timeout fails as a hang. The timeout scales with the machine's
+load; set ``COMPILED_LOGPROB_TEST_TIMEOUT`` (seconds) to fix it instead, e.g. on a shared
+runner (see :mod:`compiled_logprob.testing.multiprocess`).
+"""
 
 from __future__ import annotations
 

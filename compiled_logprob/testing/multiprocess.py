@@ -9,12 +9,23 @@ per world size and send it work::
 ``fn`` must be importable by name (a module-level function). Inside it,
 ``torch.distributed`` is initialised on gloo; ``torch.distributed.get_rank()`` tells the rank.
 A failure on any rank raises :class:`WorkerError` carrying every failing rank's traceback;
-a hang (a collective some rank never joined) raises after ``timeout`` seconds and restarts
-the pool.
+a hang (a collective some rank never joined) raises after a timeout and restarts the pool.
+
+The timeout of a call is, in this order:
+
+* ``GlooPool(..., timeout=seconds)``, when given;
+* else the environment variable ``COMPILED_LOGPROB_TEST_TIMEOUT`` (seconds), e.g. to give a
+  slow or shared machine more time, or a hung CI job less;
+* else 300 s scaled by the machine's load: ``300 * max(1, load / cpu_count)``, ``load`` the
+  1-minute load average, re-read while the call waits (a machine that gets busier mid-call
+  extends it), capped at 8 times. Compiles slow down in proportion when other jobs share the
+  cores, which a fixed timeout reported as hangs; a real hang still fails, after 40 minutes
+  at most (a rank blocked in a collective adds no load).
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -24,7 +35,39 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GlooPool", "WorkerError", "property_in_lockstep"]
+__all__ = ["GlooPool", "WorkerError", "default_timeout", "property_in_lockstep"]
+
+TIMEOUT_ENV = "COMPILED_LOGPROB_TEST_TIMEOUT"
+BASE_TIMEOUT = 300.0  # seconds, on an idle machine
+MAX_LOAD_FACTOR = 8.0  # a hang still fails, in BASE_TIMEOUT * MAX_LOAD_FACTOR at most
+
+
+def load_factor() -> float:
+    """``max(1, load / cpu_count)`` (at most :data:`MAX_LOAD_FACTOR`): how much slower than
+    idle this machine runs now; 1 where the load average is unavailable."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        return 1.0
+    return min(MAX_LOAD_FACTOR, max(1.0, load / (os.cpu_count() or 1)))
+
+
+def default_timeout(base: float = BASE_TIMEOUT) -> float:
+    """Seconds to wait for work that takes ``base`` seconds at most on an idle machine:
+    ``$COMPILED_LOGPROB_TEST_TIMEOUT`` when set, else ``base`` times :func:`load_factor`."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return base * load_factor()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(
+            f"{TIMEOUT_ENV}={value!r} must be a positive number of seconds, e.g. "
+            f"{TIMEOUT_ENV}=1200; unset it to scale {base:.0f} s with the machine's load"
+        )
+    return seconds
 
 
 class WorkerError(RuntimeError):
@@ -52,11 +95,17 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
 
 
 class GlooPool:
-    """``world_size`` spawned processes with ``torch.distributed`` initialised on gloo."""
+    """``world_size`` spawned processes with ``torch.distributed`` initialised on gloo.
 
-    def __init__(self, world_size: int, *, timeout: float = 300.0) -> None:
+    ``timeout``: seconds a call may take before it counts as a hang; ``None`` (the default)
+    reads it from the environment or scales it with the machine's load (see the module).
+    """
+
+    def __init__(self, world_size: int, *, timeout: float | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
         self.world_size = world_size
         self.timeout = timeout
         self._processes: list[mp.Process] = []
@@ -85,16 +134,20 @@ class GlooPool:
             tasks.put((fn, args, kwargs))
         name = getattr(fn, "__name__", repr(fn))
         outcomes: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + self.timeout
+        scaled = self.timeout is None and not os.environ.get(TIMEOUT_ENV, "").strip()
+        timeout = self.timeout if self.timeout is not None else default_timeout()
+        start = time.monotonic()
         while len(outcomes) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
+                if scaled:  # the load may have risen since the call started
+                    timeout = max(timeout, default_timeout())
                 dead = [r for r, p in enumerate(self._processes) if p.exitcode is not None]
-                if dead or time.monotonic() > deadline:
+                if dead or time.monotonic() - start > timeout:
                     missing = sorted(set(range(self.world_size)) - set(outcomes))
                     self._restart()
-                    why = f"ranks {dead} died" if dead else f"no result within {self.timeout}s"
+                    why = f"ranks {dead} died" if dead else self._timeout_message(timeout)
                     raise WorkerError(f"{name}: {why} (ranks {missing} did not report)") from None
                 continue
             outcomes[rank] = (ok, value)
@@ -110,6 +163,15 @@ class GlooPool:
             details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
             raise WorkerError(f"{name} failed:\n{details}")
         return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _timeout_message(self, timeout: float) -> str:
+        if self.timeout is not None:
+            source = "the pool's timeout"
+        elif os.environ.get(TIMEOUT_ENV, "").strip():
+            source = f"${TIMEOUT_ENV}"
+        else:
+            source = f"{BASE_TIMEOUT:.0f} s scaled by the load; set {TIMEOUT_ENV} to allow more"
+        return f"no result within {timeout:.0f} s ({source})"
 
     def _drain(self, outcomes: dict[int, tuple[bool, Any]], timeout: float) -> None:
         try:
