@@ -39,12 +39,10 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from compiled_logprob._torch_compat import all_gather_single
 from compiled_logprob.nemo_compat import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
@@ -250,8 +248,9 @@ def synced_grads(model: TinyCausalLM, grads, shard: Shard, cp_size: int) -> dict
     """
     synced = {}
     for (name, _), grad in zip(model.named_parameters(), grads):
-        group = shard.cp_group if name == "head" else dist.group.WORLD
-        synced[name] = funcol.all_reduce(grad, "sum", group) / cp_size
+        total = grad.detach().clone()
+        dist.all_reduce(total, group=shard.cp_group if name == "head" else None)
+        synced[name] = total / cp_size
     return synced
 
 
@@ -259,9 +258,10 @@ def full_head(model: TinyCausalLM, options: Options, tp_group: dist.ProcessGroup
     """All TP ranks' head rows, ``[V, D]`` (shards may be uneven: pad, gather, trim)."""
     rows = -(-options.vocab // options.tp)
     padded = F.pad(model.head.detach(), (0, 0, 0, rows - model.head.shape[0]))
-    gathered = all_gather_single(padded, 0, tp_group).view(options.tp, rows, -1)
+    gathered = [torch.empty_like(padded) for _ in range(options.tp)]
+    dist.all_gather(gathered, padded, group=tp_group)  # the same on torch 2.12 and 2.13
     bounds = [vocab_bounds(options.vocab, options.tp, rank) for rank in range(options.tp)]
-    return torch.cat([gathered[rank, : end - start] for rank, (start, end) in enumerate(bounds)])
+    return torch.cat([rows[: end - start] for rows, (start, end) in zip(gathered, bounds)])
 
 
 def oracle(model: TinyCausalLM, batch: Batch, options: Options, shard: Shard):
@@ -313,8 +313,9 @@ def step_errors(logprobs, grads, reference) -> list[float]:
 
 
 def world_max(values: list[float]) -> list[float]:
-    values = torch.tensor(values, dtype=torch.float64)
-    return funcol.all_reduce(values, "max", dist.group.WORLD).tolist()
+    maxima = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    return maxima.tolist()
 
 
 @contextlib.contextmanager
