@@ -19,9 +19,10 @@ backward is its compiled backward graph. Every step the log-probs and the gradie
 parameter are checked against the same model run in float64 on the full vocabulary and
 sequence in one process; the exit status is 1 on a mismatch.
 
-Rank 0 prints a progress line per step, then a table, eager vs compiled: the largest errors,
-the median step time (forward and backward), the first step's time (the compile), the
-collectives one forward and backward launches, and the peak memory (max RSS) of a process.
+Rank 0 prints a progress line per step, then a table of at most 100 columns, a column per
+mode (eager, compiled): the largest errors, the median step time (forward and backward), the
+first step's time (the compile's, for the compiled column), the collectives one forward and
+backward launches; then the peak memory (max RSS) of a process.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from compiled_logprob.testing.reference import oracle_logprobs, vocab_bounds
 
 PAD_ID = 0
 CLIP = 0.2  # PPO/GRPO ratio clipping
+WIDTH = 100  # columns of every line the demo prints, so it reads in any terminal or log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,25 +345,62 @@ def count_collectives(loss_fn, model, batch, shard) -> Counter:
     return Counter(kind for kind in kinds if kind not in skip)
 
 
-def progress(step: int, options: Options, errors: list[float], ok: bool) -> None:
-    width = 24
-    done = width * step // options.steps
-    line = (
-        f"[{'#' * done}{'.' * (width - done)}] step {step}/{options.steps}  max rel. error: "
-        f"logprobs {errors[0]:.1e}  LM-head grad {errors[1]:.1e}  other grads {errors[2]:.1e}  "
-        f"{'ok' if ok else 'MISMATCH'}"
+def say(line: str = "") -> None:
+    """Print now: spawned ranks and pipes buffer their output otherwise."""
+    print(line, flush=True)
+
+
+def fit(parts: list[str], margin: str = "") -> list[str]:
+    """``parts`` joined by ", " into lines of at most :data:`WIDTH` columns that start with
+    ``margin`` (indented once more after the first), never cut inside a part."""
+    indent = margin + "  "
+    lines = [margin + parts[0]]
+    for i, part in enumerate(parts[1:], 2):
+        comma = 1 if i < len(parts) else 0  # room for the comma that may end the line
+        if len(lines[-1]) + 2 + len(part) + comma <= WIDTH:
+            lines[-1] += ", " + part
+        else:
+            lines[-1] += ","
+            lines.append(indent + part)
+    return lines
+
+
+def plural(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}{'' if n == 1 else suffix}"
+
+
+def describe(options: Options, margin: str = "") -> list[str]:
+    """The run's layout and sizes, e.g. ``TP=2 x CP=2 on 4 gloo processes, B=4 S=64 ...``."""
+    bounds = [vocab_bounds(options.vocab, options.tp, rank) for rank in range(options.tp)]
+    sizes = [end - start for start, end in bounds]
+    if len(sizes) <= 4:
+        shards = "/".join(map(str, sizes))
+    else:  # e.g. "3 x 21724 + 4 x 21723"
+        shards = " + ".join(f"{n} x {size}" for size, n in Counter(sizes).items())
+    world = options.tp * options.cp
+    return fit(
+        [
+            f"TP={options.tp} x CP={options.cp} on {plural(world, 'gloo process', 'es')}",
+            f"B={options.batch} S={options.seq_len} V={options.vocab} (TP shards {shards})",
+            f"hidden {options.hidden}",
+            plural(options.layers, "layer"),
+            plural(options.steps, "step"),
+            f"{'packed' if options.packed else 'padded'} sequences",
+        ],
+        margin,
     )
-    if sys.stdout.isatty():
-        print("\r" + line, end="\n" if step == options.steps else "", flush=True)
+
+
+def progress(step: int, options: Options, errors: list[float], ok: bool) -> None:
+    line = (
+        f"step {step}/{options.steps}  max rel. error: log-probs {errors[0]:.1e}, "
+        f"head grad {errors[1]:.1e}, other grads {errors[2]:.1e}  {'ok' if ok else 'MISMATCH'}"
+    )
+    if sys.stdout.isatty():  # one line, rewritten; a mismatch stays on screen
+        last = step == options.steps or not ok
+        print("\r" + line, end="\n" if last else "", flush=True)
     else:
-        print(line, flush=True)
-
-
-def describe_collectives(counts: Counter) -> str:
-    if not counts:
-        return "0"
-    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-    return f"{sum(counts.values())} ({kinds})"
+        say(line)
 
 
 def median_ms(seconds: float | None) -> str:
@@ -369,37 +408,39 @@ def median_ms(seconds: float | None) -> str:
 
 
 def print_report(options, modes, errors, times, collectives, peak_rss_kib, ok) -> None:
+    """The table, a column per mode; each line at most :data:`WIDTH` columns."""
     tol = tolerance(options)
-    bounds = [vocab_bounds(options.vocab, options.tp, rank) for rank in range(options.tp)]
-    shards = "/".join(str(end - start) for start, end in bounds)
-    print(
-        f"\nTP={options.tp} x CP={options.cp} on {options.tp * options.cp} gloo processes; "
-        f"B={options.batch} S={options.seq_len} V={options.vocab} (TP shards {shards}), "
-        f"hidden {options.hidden}, {options.layers} layers, {options.steps} steps, "
-        f"{'packed' if options.packed else 'padded'} sequences"
-    )
+    first = [
+        f"{t[0]:.2f} s" + (" incl. compile" if mode == "compiled" else "")
+        for mode, t in zip(modes, times)
+    ]
     rows = [
         ("max rel. error, log-probs", [f"{e[0]:.2e}" for e in errors]),
         ("max rel. error, LM-head grad", [f"{e[1]:.2e}" for e in errors]),
         ("max rel. error, other grads", [f"{e[2]:.2e}" for e in errors]),
         ("step time, median after step 1", [median_ms(t[1]) for t in times]),
-        ("first step (incl. compile)", [f"{t[0]:.2f} s" for t in times]),
-        ("collectives per fwd+bwd", [describe_collectives(c) for c in collectives]),
+        ("first step", first),
+        ("collectives per fwd+bwd", [str(sum(c.values())) for c in collectives]),
     ]
+    for kind in sorted(set().union(*collectives)):
+        rows.append((f"  {kind}", [str(c[kind]) for c in collectives]))
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(mode), *(len(v[i]) for _, v in rows)) for i, mode in enumerate(modes)]
     header = " " * label_width + "".join(f"  {mode:<{w}}" for mode, w in zip(modes, widths))
-    print(header.rstrip())
-    print("-" * len(header))
+    say()
+    for line in describe(options):
+        say(line)
+    say(header.rstrip())
+    say("-" * len(header))
     for label, values in rows:
         cells = "".join(f"  {v:<{w}}" for v, w in zip(values, widths))
-        print(f"{label:<{label_width}}{cells}".rstrip())
-    print(f"tolerance (fp32 vs float64 oracle): {tol:.2e}")
-    print(f"peak memory (max RSS of one process): {peak_rss_kib / 1024:.0f} MiB")
+        say(f"{label:<{label_width}}{cells}".rstrip())
+    say(f"tolerance (fp32 vs float64 oracle): {tol:.2e}")
+    say(f"peak memory (max RSS of one process): {peak_rss_kib / 1024:.0f} MiB")
     if ok:
-        print("PASS: sharded log-probs and gradients match the float64 oracle")
+        say("PASS: sharded log-probs and gradients match the float64 oracle")
     else:
-        print(f"FAIL: an error above exceeds the tolerance {tol:.2e}")
+        say(f"FAIL: an error above exceeds the tolerance {tol:.2e}")
 
 
 # ----------------------------------------------------------------------------- ranks and launch

@@ -2,7 +2,8 @@
 
 One compiled TP=2 x CP=2 run on the shared 4-rank gloo pool (the expensive part: one cold
 compile per rank), one eager packed run through the command line (exit status, progress,
-table), and in-process checks of the layout helpers and of argument errors.
+a table of at most 100 columns), in-process checks of the report at any size, of the layout
+helpers and of argument errors.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -19,6 +21,53 @@ from compiled_logprob import demo
 from compiled_logprob.nemo_compat import _get_tokens_on_this_cp_rank
 
 SMALL = ["--seq-len", "16", "--vocab", "97", "--steps", "2", "--layers", "1"]
+ROWS = (
+    "max rel. error, log-probs",
+    "max rel. error, LM-head grad",
+    "max rel. error, other grads",
+    "step time, median after step 1",
+    "first step",
+    "collectives per fwd+bwd",
+)
+
+
+def run_demo(*argv: str) -> list[str]:
+    """The demo's stdout lines; fails on a non-zero exit."""
+    result = subprocess.run(
+        [sys.executable, "-m", "compiled_logprob.demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.splitlines()
+
+
+def index(lines: list[str], text: str) -> int:
+    """The first line holding ``text``."""
+    found = [i for i, line in enumerate(lines) if text in line]
+    assert found, f"no line holds {text!r}:\n" + "\n".join(lines)
+    return found[0]
+
+
+def mentions_compiling(lines: list[str]) -> list[str]:
+    """The lines that mention compiling (the package's name aside)."""
+    return [line for line in lines if "compil" in line.replace("compiled_logprob", "").lower()]
+
+
+def check_report(lines: list[str], modes: list[str]) -> int:
+    """The table's rows are there, with a column per mode; every line fits 100 columns.
+    Returns the line of the table's header."""
+    header = [i for i, line in enumerate(lines) if line.split() == modes]
+    assert len(header) == 1, "\n".join(lines)
+    for row in ROWS:
+        assert len(lines[index(lines, row)].split()) > len(modes), row
+    assert "peak memory (max RSS of one process)" in lines[index(lines, "tolerance") + 1]
+    assert "PASS" in lines[-1] and not any("MISMATCH" in line for line in lines)
+    too_wide = [line for line in lines if len(line) > demo.WIDTH]
+    assert not too_wide, too_wide
+    return header[0]
 
 
 def test_compiled_step_matches_the_float64_oracle(gloo_pool):
@@ -27,29 +76,45 @@ def test_compiled_step_matches_the_float64_oracle(gloo_pool):
     assert gloo_pool(4).run(demo.run_rank, options) == [True] * 4
 
 
-def test_command_line_packed_eager_passes_and_prints_the_table():
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, "-m", "compiled_logprob.demo", *SMALL, "--packed", "--no-compile"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+def test_command_line_packed_eager_never_mentions_compiling():
+    lines = run_demo(*SMALL, "--packed", "--no-compile")
+    assert "TP=2 x CP=2 on 4 gloo processes" in "\n".join(lines)
+    assert "packed sequences" in "\n".join(lines)
+    table = check_report(lines, ["eager"])
+    assert index(lines, "step 2/2  max rel. error") < table
+    assert not mentions_compiling(lines)
+
+
+HUGE = ["--tp", "71", "--cp", "5", "--batch", "128", "--seq-len", "81920"]
+HUGE += ["--vocab", "152064", "--hidden", "8192", "--steps", "1000", "--packed"]
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("argv", [[], SMALL, HUGE], ids=["default", "small", "huge"])
+def test_report_fits_100_columns_at_any_size(argv, compile, capsys):
+    options = demo.parse_args(argv if compile else [*argv, "--no-compile"], None)
+    modes = ["eager", "compiled"] if compile else ["eager"]
+    collectives = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=1, all_to_all=12)
+    demo.progress(1, options, [1.23e-7, 4.56e-5, 7.89e-1], ok=True)
+    demo.progress(options.steps, options, [1.23e-7, 4.56e-5, 7.89e-1], ok=False)
+    demo.print_report(
+        options,
+        modes,
+        errors=[[1.234e-7, 5.6e-5, 1.0]] * len(modes),
+        times=[(1234.5, 98.7654), (0.1, None)][: len(modes)],
+        collectives=[collectives] * len(modes),
+        peak_rss_kib=123456789,
+        ok=False,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "step 2/2" in out and "MISMATCH" not in out
-    for row in (
-        "max rel. error, log-probs",
-        "max rel. error, LM-head grad",
-        "max rel. error, other grads",
-        "step time, median after step 1",
-        "collectives per fwd+bwd",
-        "peak memory",
-    ):
-        assert row in out, out
-    assert "TP=2 x CP=2 on 4 gloo processes" in out and "packed sequences" in out
-    assert "PASS" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= demo.WIDTH, lines
+    assert f"step {options.steps}/{options.steps}" in lines[index(lines, "MISMATCH")]
+    row = index(lines, "collectives per fwd+bwd")
+    assert lines[row].split()[3:] == ["15"] * len(modes)
+    kinds = [line.split() for line in lines[row + 1 : row + 4]]
+    assert kinds == [[kind] + [str(n)] * len(modes) for kind, n in sorted(collectives.items())]
+    assert lines[-1].startswith("FAIL")
+    assert bool(mentions_compiling(lines)) == compile
 
 
 def test_a_mismatch_exits_non_zero_under_torchrun(monkeypatch, capsys):
@@ -64,7 +129,7 @@ def test_a_mismatch_exits_non_zero_under_torchrun(monkeypatch, capsys):
     argv = ["--seq-len", "8", "--vocab", "31", "--steps", "1", "--no-compile"]
     assert demo.main(argv) == 1
     out = capsys.readouterr().out
-    assert "TP=1 x CP=1 on 1 gloo processes" in out and "MISMATCH" in out and "FAIL" in out
+    assert "TP=1 x CP=1 on 1 gloo process," in out and "MISMATCH" in out and "FAIL" in out
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3])
