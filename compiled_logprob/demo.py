@@ -19,10 +19,13 @@ backward is its compiled backward graph. Every step the log-probs and the gradie
 parameter are checked against the same model run in float64 on the full vocabulary and
 sequence in one process; the exit status is 1 on a mismatch.
 
-Rank 0 prints a progress line per step, then a table of at most 100 columns, a column per
-mode (eager, compiled): the largest errors, the median step time (forward and backward), the
-first step's time (the compile's, for the compiled column), the collectives one forward and
-backward launches; then the peak memory (max RSS) of a process.
+It talks while it works, in lines of at most 100 columns: before spawning, the configuration
+(and, when compiling, that the compile takes about a minute, once); then rank 0 a line per
+phase (ranks up, step 1's oracle and eager step, the compile, with a "still compiling" line
+every 15 s) and a progress line per step; then a table, a column per mode (eager, compiled):
+the largest errors, the median step time (forward and backward), the first step's time (the
+compile's, for the compiled column), the collectives one forward and backward launches; and
+the peak memory (max RSS) of a process.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -54,6 +58,7 @@ from compiled_logprob.testing.reference import oracle_logprobs, vocab_bounds
 PAD_ID = 0
 CLIP = 0.2  # PPO/GRPO ratio clipping
 WIDTH = 100  # columns of every line the demo prints, so it reads in any terminal or log
+TICK = 15.0  # seconds between "still compiling" lines: a long silence looks like a hang
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +396,40 @@ def describe(options: Options, margin: str = "") -> list[str]:
     )
 
 
+def announce(options: Options) -> None:
+    """What the run does and how long its slow part takes, before anything slow starts."""
+    say("compiled_logprob demo: GRPO steps on sharded logits, checked against a float64 oracle")
+    for line in describe(options, margin="  "):
+        say(line)
+    if options.compile:
+        say("  each step eager, then under torch.compile(fullgraph=True);")
+        say(
+            "  compiling takes about a minute, once, in step 1 "
+            "(more on a busy machine, less cached)"
+        )
+    else:
+        say("  each step eager only")
+
+
+@contextlib.contextmanager
+def still(doing: str, every: float = TICK):
+    """Say ``  still <doing> (N s)`` every ``every`` seconds until the block ends."""
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every):
+            say(f"  still {doing} ({time.perf_counter() - start:.0f} s)")
+
+    ticker = threading.Thread(target=tick, name="demo-still", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
 def progress(step: int, options: Options, errors: list[float], ok: bool) -> None:
     line = (
         f"step {step}/{options.steps}  max rel. error: log-probs {errors[0]:.1e}, "
@@ -465,10 +504,15 @@ def make_shard(options: Options) -> Shard:
     )
 
 
-def run_rank(options: Options) -> bool:
-    """One rank's whole run; every rank returns the same verdict."""
+def run_rank(options: Options, launched: float | None = None) -> bool:
+    """One rank's whole run; every rank returns the same verdict. Rank 0 reports progress;
+    ``launched``: the launch's ``time.time()``, to say how long the ranks took to come up."""
     torch.set_num_threads(1)
     shard = make_shard(options)
+    is_rank0 = dist.get_rank() == 0
+    if is_rank0:
+        since = "" if launched is None else f" after {time.time() - launched:.1f} s"
+        say(f"{plural(dist.get_world_size(), 'rank')} up{since}")
     torch.manual_seed(options.seed)
     model = TinyCausalLM(options.vocab, options.hidden, options.layers)
     model.shard_head(shard.vocab_start, shard.vocab_end)
@@ -476,17 +520,26 @@ def run_rank(options: Options) -> bool:
     if options.compile:
         loss_fns["compiled"] = torch.compile(sharded_policy_loss, fullgraph=True)
     tol = tolerance(options)
-    is_rank0 = dist.get_rank() == 0
     worst = {mode: [0.0, 0.0, 0.0] for mode in loss_fns}
     seconds = {mode: [] for mode in loss_fns}
     ok = True
     for step in range(options.steps):
+        first = is_rank0 and step == 0
+        if first:
+            say(f"step 1/{options.steps}: float64 oracle and eager step...")
         batch = make_batch(step, shard, options)
         ref_logprobs, ref_grads = oracle(model, batch, options, shard)
         reference = (ref_logprobs, ref_grads, batch.compare_mask)
         step_worst = [0.0, 0.0, 0.0]
         for mode, loss_fn in loss_fns.items():
-            logprobs, grads, elapsed = gradient_step(loss_fn, model, batch, shard)
+            compiling = first and mode == "compiled"
+            if compiling:
+                say(
+                    f"step 1/{options.steps}: compiling forward and backward "
+                    "(about a minute, once)..."
+                )
+            with still("compiling") if compiling else contextlib.nullcontext():
+                logprobs, grads, elapsed = gradient_step(loss_fn, model, batch, shard)
             synced = synced_grads(model, grads, shard, options.cp)
             errors = world_max(step_errors(logprobs, synced, reference))
             worst[mode] = [max(a, b) for a, b in zip(worst[mode], errors)]
@@ -581,14 +634,20 @@ def main(argv: list[str] | None = None) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     options = parse_args(argv, int(os.environ["WORLD_SIZE"]) if torchrun else None)
     if torchrun:
+        if os.environ["RANK"] == "0":
+            announce(options)
         dist.init_process_group("gloo")
         try:
             return 0 if run_rank(options) else 1
         finally:
             dist.destroy_process_group()
+    announce(options)
+    world = options.tp * options.cp
+    say(f"starting {plural(world, 'gloo process', 'es')} (they import torch: 5-30 s)...")
+    launched = time.time()
     try:
-        with GlooPool(options.tp * options.cp, timeout=3600.0) as pool:
-            return 0 if all(pool.run(run_rank, options)) else 1
+        with GlooPool(world, timeout=3600.0) as pool:
+            return 0 if all(pool.run(run_rank, options, launched)) else 1
     except WorkerError as error:
         print(error, file=sys.stderr)
         return 1

@@ -1,17 +1,21 @@
 """The main job, ``python -m compiled_logprob.demo``, at a small size.
 
-One compiled TP=2 x CP=2 run on the shared 4-rank gloo pool (the expensive part: one cold
-compile per rank), one eager packed run through the command line (exit status, progress,
-a table of at most 100 columns), in-process checks of the report at any size, of the layout
-helpers and of argument errors.
+Two runs through the command line: one compiled TP=2 x CP=2 run (the expensive part: one
+cold compile per rank) and one eager packed run; they check the exit status, that the run
+says what it starts and that it compiles before going quiet, the progress, and a table of at
+most 100 columns. Then in-process checks of the report, the layout helpers and argument
+errors. A command-line run that outlives its timeout (scaled with the machine's load, or
+``COMPILED_LOGPROB_TEST_TIMEOUT``) fails, its processes killed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -19,6 +23,7 @@ import torch
 
 from compiled_logprob import demo
 from compiled_logprob.nemo_compat import _get_tokens_on_this_cp_rank
+from compiled_logprob.testing.multiprocess import default_timeout
 
 SMALL = ["--seq-len", "16", "--vocab", "97", "--steps", "2", "--layers", "1"]
 ROWS = (
@@ -32,16 +37,27 @@ ROWS = (
 
 
 def run_demo(*argv: str) -> list[str]:
-    """The demo's stdout lines; fails on a non-zero exit."""
-    result = subprocess.run(
-        [sys.executable, "-m", "compiled_logprob.demo", *argv],
-        capture_output=True,
+    """The demo's stdout lines; fails on a non-zero exit or past the (load-scaled) timeout."""
+    timeout = default_timeout()
+    command = [sys.executable, "-m", "compiled_logprob.demo", *argv]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # A session of its own: on a timeout, its gloo processes are killed with it.
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout.splitlines()
+        env=env,
+        start_new_session=True,
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            pytest.fail(f"{' '.join(argv)}: no exit within {timeout:.0f} s\n{out}{err}")
+    assert process.returncode == 0, out + err
+    return out.splitlines()
 
 
 def index(lines: list[str], text: str) -> int:
@@ -70,16 +86,24 @@ def check_report(lines: list[str], modes: list[str]) -> int:
     return header[0]
 
 
-def test_compiled_step_matches_the_float64_oracle(gloo_pool):
-    options = demo.parse_args(SMALL, None)
-    assert (options.tp, options.cp, options.compile, options.packed) == (2, 2, True, False)
-    assert gloo_pool(4).run(demo.run_rank, options) == [True] * 4
+def test_command_line_compiled_says_what_it_starts_and_compiles():
+    lines = run_demo(*SMALL)
+    assert lines[0].startswith("compiled_logprob demo:")
+    assert "TP=2 x CP=2 on 4 gloo processes" in lines[1]
+    start_notice = index(lines, "compiling takes about a minute, once")
+    spawn = index(lines, "starting 4 gloo processes")
+    compile_notice = index(lines, "compiling forward and backward (about a minute, once)")
+    table = check_report(lines, ["eager", "compiled"])
+    assert start_notice < spawn < index(lines, "4 ranks up") < compile_notice < table
+    assert index(lines, "step 1/2  max rel. error") > compile_notice
+    assert index(lines, "step 2/2") < table
+    assert "incl. compile" in lines[index(lines, "first step")]
 
 
 def test_command_line_packed_eager_never_mentions_compiling():
     lines = run_demo(*SMALL, "--packed", "--no-compile")
-    assert "TP=2 x CP=2 on 4 gloo processes" in "\n".join(lines)
-    assert "packed sequences" in "\n".join(lines)
+    assert "TP=2 x CP=2 on 4 gloo processes" in lines[1] and "packed sequences" in "\n".join(lines)
+    assert index(lines, "each step eager only") < index(lines, "starting 4 gloo processes")
     table = check_report(lines, ["eager"])
     assert index(lines, "step 2/2  max rel. error") < table
     assert not mentions_compiling(lines)
@@ -95,6 +119,7 @@ def test_report_fits_100_columns_at_any_size(argv, compile, capsys):
     options = demo.parse_args(argv if compile else [*argv, "--no-compile"], None)
     modes = ["eager", "compiled"] if compile else ["eager"]
     collectives = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=1, all_to_all=12)
+    demo.announce(options)
     demo.progress(1, options, [1.23e-7, 4.56e-5, 7.89e-1], ok=True)
     demo.progress(options.steps, options, [1.23e-7, 4.56e-5, 7.89e-1], ok=False)
     demo.print_report(
@@ -117,6 +142,15 @@ def test_report_fits_100_columns_at_any_size(argv, compile, capsys):
     assert bool(mentions_compiling(lines)) == compile
 
 
+def test_still_says_what_it_is_doing_until_done(capsys):
+    with demo.still("compiling", every=0.05):
+        time.sleep(0.3)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("  still compiling (") for line in lines)
+    time.sleep(0.2)
+    assert capsys.readouterr().out == ""  # the ticker stopped with the block
+
+
 def test_a_mismatch_exits_non_zero_under_torchrun(monkeypatch, capsys):
     # One in-process rank, launched the torchrun way, with a tolerance nothing can meet.
     with socket.socket() as probe:
@@ -129,6 +163,7 @@ def test_a_mismatch_exits_non_zero_under_torchrun(monkeypatch, capsys):
     argv = ["--seq-len", "8", "--vocab", "31", "--steps", "1", "--no-compile"]
     assert demo.main(argv) == 1
     out = capsys.readouterr().out
+    assert out.startswith("compiled_logprob demo:") and "each step eager only" in out
     assert "TP=1 x CP=1 on 1 gloo process," in out and "MISMATCH" in out and "FAIL" in out
 
 
