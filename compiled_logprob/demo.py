@@ -38,6 +38,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -412,13 +413,14 @@ def announce(options: Options) -> None:
 
 
 @contextlib.contextmanager
-def still(doing: str, every: float = TICK):
-    """Say ``  still <doing> (N s)`` every ``every`` seconds until the block ends."""
+def still(doing: str, every: float = TICK, until=None):
+    """Say ``  still <doing> (N s)`` every ``every`` seconds until the block ends (or, given,
+    until ``until()`` is true)."""
     done = threading.Event()
     start = time.perf_counter()
 
     def tick() -> None:
-        while not done.wait(every):
+        while not done.wait(every) and not (until is not None and until()):
             say(f"  still {doing} ({time.perf_counter() - start:.0f} s)")
 
     ticker = threading.Thread(target=tick, name="demo-still", daemon=True)
@@ -504,13 +506,16 @@ def make_shard(options: Options) -> Shard:
     )
 
 
-def run_rank(options: Options, launched: float | None = None) -> bool:
+def run_rank(options: Options, launched: float | None = None, up: str | None = None) -> bool:
     """One rank's whole run; every rank returns the same verdict. Rank 0 reports progress;
-    ``launched``: the launch's ``time.time()``, to say how long the ranks took to come up."""
+    ``launched``: the launch's ``time.time()``, to say how long the ranks took to come up;
+    ``up``: a file rank 0 creates then, which stops the launcher's "still starting" lines."""
     torch.set_num_threads(1)
     shard = make_shard(options)
     is_rank0 = dist.get_rank() == 0
     if is_rank0:
+        if up is not None:
+            open(up, "w").close()
         since = "" if launched is None else f" after {time.time() - launched:.1f} s"
         say(f"{plural(dist.get_world_size(), 'rank')} up{since}")
     torch.manual_seed(options.seed)
@@ -643,11 +648,15 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     announce(options)
     world = options.tp * options.cp
-    say(f"starting {plural(world, 'gloo process', 'es')} (they import torch: 5-30 s)...")
+    processes = plural(world, "gloo process", "es")
+    say(f"starting {processes} (they import torch: 5-30 s, more on a busy machine)...")
     launched = time.time()
     try:
-        with GlooPool(world, timeout=3600.0) as pool:
-            return 0 if all(pool.run(run_rank, options, launched)) else 1
+        with tempfile.TemporaryDirectory(prefix="compiled_logprob_demo_") as scratch:
+            up = os.path.join(scratch, "up")
+            with GlooPool(world, timeout=3600.0) as pool:
+                with still("starting the processes", until=lambda: os.path.exists(up)):
+                    return 0 if all(pool.run(run_rank, options, launched, up)) else 1
     except WorkerError as error:
         print(error, file=sys.stderr)
         return 1

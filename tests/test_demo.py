@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -149,6 +150,24 @@ def test_still_says_what_it_is_doing_until_done(capsys):
     assert len(lines) >= 2 and all(line.startswith("  still compiling (") for line in lines)
     time.sleep(0.2)
     assert capsys.readouterr().out == ""  # the ticker stopped with the block
+
+
+def test_still_stops_early_when_told(capsys):
+    up = []
+
+    def ticking() -> bool:
+        return any(thread.name == "demo-still" for thread in threading.enumerate())
+
+    with demo.still("starting", every=0.05, until=lambda: bool(up)):
+        out, deadline = "", time.monotonic() + 30
+        while not out and time.monotonic() < deadline:
+            time.sleep(0.01)
+            out = capsys.readouterr().out
+        assert out.startswith("  still starting (") and ticking()
+        up.append(True)
+        while ticking() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ticking()  # the ticker ended inside the block
 
 
 def test_a_mismatch_exits_non_zero_under_torchrun(monkeypatch, capsys):
