@@ -51,6 +51,6 @@ def gather_to_positions(
     gathered = tensor.movedim(dim, 0)
     if group_name is not None:
         gathered = _comm.all_gather(gathered, group_name)
-    # ``positions`` is a permutation: read through its inverse (docs/design.md, "CP gather").
+    # ``positions`` is a permutation: read through its inverse (docs/design.md, "Context parallelism").
     placed = gathered.index_select(0, torch.argsort(positions.flatten()))
     return placed.movedim(0, dim)

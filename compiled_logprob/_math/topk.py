@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-# Entries per block of the block maxima (docs/design.md, "Top-k by block maxima").
+# Entries per block of the block maxima (docs/design.md, "Top-k selection").
 TOPK_BLOCK = 16
 
 

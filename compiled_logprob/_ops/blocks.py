@@ -3,7 +3,7 @@
 Blocks are of at least :func:`min_block_elements` elements (or one row), enough to amortise
 per-op overhead, and at most ``BLOCKS_PER_CALL`` per call and per block-sized temporary, so
 that large logits do not pay thousands of per-op thread wake-ups (docs/design.md, "Eager
-block sizes").
+kernels").
 """
 
 from __future__ import annotations
