@@ -1,9 +1,9 @@
 """Compile-native vocab-parallel token log-probs for RL post-training.
 
 The functional API, by module: ``logits`` (token log-probs, logsumexp, entropy, top-k,
-log-softmax and cross-entropy of vocab-sharded logits), ``context_parallel`` (the same
-across CP ranks, plain and packed), ``dtensor`` and ``lm_head`` (from hidden states, no
-logits). NeMo-RL's names live in :mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
+log-softmax and cross-entropy of vocab-sharded logits), ``raw_logits`` (the logits
+themselves across shards), ``context_parallel`` and ``packed`` (next-token log-probs across
+CP ranks), ``dtensor``, and ``lm_head`` (from hidden states, no logits). NeMo-RL's names live in :mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
 """
 
 # First: an old torch is refused before any op is registered.
@@ -11,7 +11,6 @@ from compiled_logprob import _torch_compat  # noqa: F401  isort: skip
 from compiled_logprob.context_parallel import (
     context_parallel_logprobs,
     gather_context_parallel,
-    packed_context_parallel_logprobs,
     shard_for_context_parallel,
 )
 from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
@@ -22,14 +21,17 @@ from compiled_logprob.lm_head import (
     lm_head_topk,
 )
 from compiled_logprob.logits import (
-    gather_vocab_parallel,
     token_logprobs,
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
     vocab_parallel_log_softmax,
-    vocab_parallel_logits_at,
     vocab_parallel_logsumexp,
     vocab_parallel_topk,
+)
+from compiled_logprob.packed import packed_context_parallel_logprobs
+from compiled_logprob.raw_logits import (
+    gather_vocab_parallel,
+    vocab_parallel_logits_at,
     vocab_parallel_topk_logits,
 )
 

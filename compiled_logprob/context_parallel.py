@@ -1,11 +1,9 @@
 """Context parallelism (CP): load-balanced sequence shards, their gather, and next-token
-log-probs of TP×CP-sharded logits, plain and packed (THD).
+log-probs of TP×CP-sharded logits (packed rows: :mod:`compiled_logprob.packed`).
 
 Layout. With ``C`` CP ranks a sequence (padded to a multiple of ``2C``) is cut into ``2C``
 equal chunks and CP rank ``r`` holds chunks ``r`` and ``2C-1-r``, concatenated: under causal
-attention that gives every rank the same work. A packed row (TransformerEngine's THD
-layout) shards each padded sequence this way on its own, and rank ``r``'s buffer holds
-sequence ``i`` at ``[cu[i] / C, cu[i+1] / C)``.
+attention that gives every rank the same work.
 
 Every layout is a map ``positions[r, q]`` from (rank, local position) to a position in the
 full row, built on the device by index arithmetic (no host data, so nothing syncs and
@@ -33,7 +31,6 @@ from compiled_logprob._math.kernels import assert_async
 __all__ = [
     "context_parallel_logprobs",
     "gather_context_parallel",
-    "packed_context_parallel_logprobs",
     "shard_for_context_parallel",
 ]
 
@@ -44,7 +41,7 @@ def _normalized_dim(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
-def _check_local_len(local_len: int, size: int, what: str) -> None:
+def check_local_len(local_len: int, size: int, what: str) -> None:
     if size > 1 and local_len % 2:
         raise ValueError(
             f"{what} has local sequence length {local_len} on each of {size} CP ranks, which "
@@ -92,7 +89,7 @@ def gather_context_parallel(
     if size == 1:
         return tensor
     dim = _normalized_dim(tensor, dim)
-    _check_local_len(tensor.shape[dim], size, f"tensor of shape {tuple(tensor.shape)} (dim {dim})")
+    check_local_len(tensor.shape[dim], size, f"tensor of shape {tuple(tensor.shape)} (dim {dim})")
     positions = layout.positions(tensor.shape[dim], size, tensor.device)
     return layout.gather_to_positions(tensor, positions, group.group_name, dim)
 
@@ -157,7 +154,7 @@ def logits_local_fn(
     return local_fn
 
 
-def _check_index_tensor(value: object, name: str) -> None:
+def check_index_tensor(value: object, name: str) -> None:
     """``value`` must be an int32/int64 tensor (what index_select and searchsorted take)."""
     if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
         got = getattr(value, "dtype", type(value).__name__)
@@ -165,7 +162,7 @@ def _check_index_tensor(value: object, name: str) -> None:
 
 
 def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
-    _check_index_tensor(seq_index, "seq_index")
+    check_index_tensor(seq_index, "seq_index")
     if seq_index.shape != (full_len,):
         raise ValueError(
             f"seq_index has shape {tuple(seq_index.shape)}, expected ({full_len},): one natural "
@@ -181,7 +178,7 @@ def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) 
     )
 
 
-def _local_temperature(
+def local_temperature(
     temperature: float | torch.Tensor, out_shape: torch.Size, select
 ) -> float | torch.Tensor:
     """A float as it is; a tensor broadcast to the output's positions ``out_shape``, then
@@ -199,14 +196,14 @@ def _local_temperature(
     return select(per_position)
 
 
-def _local_logprobs(local_fn, target, *, temperature, return_entropy) -> torch.Tensor:
+def local_logprobs(local_fn, target, *, temperature, return_entropy) -> torch.Tensor:
     """``local_fn`` of this rank's positions, ``[..., L]``; with ``return_entropy`` the
     log-probs and the entropy stacked as ``[2, ..., L]``, so one collective moves both."""
     out = local_fn(target, temperature=temperature, return_entropy=return_entropy)
     return torch.stack(out) if return_entropy else out
 
 
-def _split(result: torch.Tensor, return_entropy: bool):
+def split_entropy(result: torch.Tensor, return_entropy: bool):
     return tuple(result.unbind(0)) if return_entropy else result
 
 
@@ -307,7 +304,7 @@ def cp_logprobs(
             f"positions of input_ids {tuple(input_ids.shape)}"
         )
     if seq_index is None:
-        _check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")
+        check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")
         positions = layout.positions(local_len, size, shard.device)
     else:
         check_seq_index(seq_index, padded_len, shard)
@@ -321,193 +318,12 @@ def cp_logprobs(
     # scored ones (the last, the padding) score token 0 at temperature 1 (whatever
     # input_ids hold), and are cut off below.
     scored = input_ids[..., (1 if next_token else 0) :]
-    result = _local_logprobs(
+    result = local_logprobs(
         local_fn,
         this_rank(scored, 0),
-        temperature=_local_temperature(temperature, scored.shape, lambda t: this_rank(t, 1)),
+        temperature=local_temperature(temperature, scored.shape, lambda t: this_rank(t, 1)),
         return_entropy=return_entropy,
     )
     group_name = None if size == 1 else cp_group.group_name
     result = layout.gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]
-    return _split(result, return_entropy)
-
-
-def _check_packed(
-    shard: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    size: int,
-    name: str,
-    pre_rolled: bool,
-) -> int:
-    """Checks the packed layout's arguments; returns ``max_seqlen`` as a Python int."""
-    if shard.dim() != 3 or shard.shape[0] != 1:
-        raise ValueError(f"packed {name} must be [1, T / C, *], got {tuple(shard.shape)}")
-    if pre_rolled and input_ids.shape[-1] != shard.shape[1]:
-        raise ValueError(
-            f"pre-rolled targets {tuple(input_ids.shape)} must hold this rank's "
-            f"{shard.shape[1]} local positions (the {name}' {tuple(shard.shape)}), shifted "
-            "and CP-sharded like them"
-        )
-    if not pre_rolled and input_ids.shape[-1] != size * shard.shape[1]:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} must hold all T = {size} CP ranks x "
-            f"{shard.shape[1]} local positions = {size * shard.shape[1]} packed tokens"
-        )
-    _check_local_len(shard.shape[1], size, f"packed {name} of shape {tuple(shard.shape)}")
-    _check_index_tensor(cu_seqlens, "cu_seqlens_padded")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens_padded must be 1-D [B + 1] with B >= 1 (0, end of sequence 0, ...), "
-            f"got shape {tuple(cu_seqlens.shape)}"
-        )
-    if cu_seqlens.device != shard.device:
-        raise ValueError(
-            f"cu_seqlens_padded is on {cu_seqlens.device} but {name} on {shard.device}"
-        )
-    return _validation.as_int(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
-
-
-def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
-    """Checked on the device (no host sync): the values of ``cu_seqlens_padded``."""
-    well_formed = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
-    assert_async(
-        well_formed,
-        # No T in the message: formatting a dynamic size would specialise the graph on it.
-        "cu_seqlens_padded must start at 0, never decrease and end at T, the packed row's "
-        "length (input_ids.shape[-1])",
-    )
-    if size > 1:
-        assert_async(
-            (cu % (2 * size) == 0).all(),
-            f"every padded sequence length in cu_seqlens_padded must be a multiple of "
-            f"2 * cp_size = {2 * size}, so that it splits into equal load-balanced chunks",
-        )
-
-
-def packed_context_parallel_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    *,
-    max_seqlen: int,
-    vocab_start: int = 0,
-    group: dist.ProcessGroup | None = None,
-    cp_group: dist.ProcessGroup | None = None,
-    chunk_size: int | None = None,
-    ignore_index: int | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    return_entropy: bool = False,
-    next_token: bool = True,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs of a packed (THD) TP×CP-sharded row, as fp32 ``[B, max_seqlen - 1]``.
-
-    Eager equivalent: row ``i`` is ``log_softmax(seq.float(), -1)[:-1].gather(-1, ids[1:, None])[:, 0]``
-    zero-filled or cut to ``max_seqlen - 1``, for padded sequence ``i`` (``seq``, ``ids``: the
-    full row's logits and ids at ``[cu[i], cu[i+1])``).
-
-    Args:
-        logits: ``[1, T / C, V_local]``; every padded sequence load-balanced-sharded on its
-            own, this rank's part of sequence ``i`` at ``[cu[i] / C, cu[i+1] / C)``.
-        input_ids: ``[1, T]`` the full packed, unshifted token ids.
-        cu_seqlens_padded: ``[B + 1]`` int32/int64 tensor of padded sequence boundaries
-            (full row, not divided by ``C``), each length a multiple of ``2 * C``. It stays
-            on the device: its values are checked there and never read by the host.
-        max_seqlen: the unpacked length; the output has ``max_seqlen - 1`` columns.
-        vocab_start, group, cp_group, chunk_size, ignore_index, return_entropy, top_k,
-            top_p: as in :func:`context_parallel_logprobs`.
-        temperature: a float, or a tensor that broadcasts to the output
-            ``[B, max_seqlen - 1]`` (e.g. ``[B, 1]``, one per sequence).
-        next_token: ``False`` scores each sequence's token t at its position t (as in
-            :func:`context_parallel_logprobs`): nothing is dropped, and the output and a
-            tensor ``temperature`` are ``[B, max_seqlen]``.
-
-    Within each sequence, position t scores token t + 1; the last position's (wrapped)
-    target is dropped. One all-gather of fp32 log-probs (and entropies) over CP in total.
-    """
-    local_fn = logits_local_fn(
-        logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
-        ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
-    )
-    return packed_cp_logprobs(
-        local_fn,
-        logits,
-        input_ids,
-        cu_seqlens_padded,
-        max_seqlen=max_seqlen,
-        cp_group=cp_group,
-        temperature=temperature,
-        return_entropy=return_entropy,
-        next_token=next_token,
-        name="logits",
-    )
-
-
-def packed_cp_logprobs(
-    local_fn,
-    shard: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    *,
-    max_seqlen: int,
-    cp_group: dist.ProcessGroup | None,
-    temperature: float | torch.Tensor,
-    return_entropy: bool,
-    next_token: bool,
-    name: str,
-    pre_rolled: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`packed_context_parallel_logprobs` of this rank's ``shard`` ``[1, T / C, *]``
-    (``name``), whose log-probs ``local_fn`` computes as in :func:`cp_logprobs`.
-
-    ``pre_rolled``: ``input_ids`` are this rank's ``[1, T / C]`` targets, already shifted
-    within each sequence and sharded like ``shard`` (NeMo-RL's ``target_is_pre_rolled``).
-    """
-    size, rank = _comm.size_rank(cp_group)
-    max_seqlen = _check_packed(
-        shard, input_ids, cu_seqlens_padded, max_seqlen, size, name, pre_rolled
-    )
-    local_len = shard.shape[1]
-    total = size * local_len
-    batch = cu_seqlens_padded.numel() - 1
-    cu = cu_seqlens_padded.long()
-    _assert_packing(cu, total, size)
-
-    local = torch.arange(local_len, device=shard.device)
-    seq = torch.searchsorted(cu[1:] // size, local, right=True).clamp(max=batch - 1)
-    start, end = cu[seq], cu[seq + 1]
-    ranks = torch.arange(size, device=shard.device).unsqueeze(-1)
-    positions = layout.load_balanced_positions(local, start, end - start, ranks, size)  # [C, T / C]
-    mine = positions[rank]
-    # With next_token, position t scores token t + 1 of its sequence and a sequence's last
-    # position scores token 0 (dropped below). The clamps keep indices in range even where
-    # cu_seqlens_padded is malformed, so that the device-side check above is what reports it.
-    shift = 1 if next_token else 0
-    scored = mine + shift < end
-    if pre_rolled:
-        ids = input_ids
-    else:
-        ids = input_ids.index_select(-1, (mine + shift).clamp(0, max(total - 1, 0)))
-    # Output column of each local position; columns past the output get temperature 1.
-    out_column = (mine - start).clamp(0, max_seqlen - shift)
-    result = _local_logprobs(
-        local_fn,
-        torch.where(scored, ids, 0),
-        temperature=_local_temperature(
-            temperature,
-            (batch, max_seqlen - shift),
-            lambda t: F.pad(t, (0, 1), value=1)[seq, out_column].unsqueeze(0),
-        ),
-        return_entropy=return_entropy,
-    )
-    group_name = None if size == 1 else cp_group.group_name
-    packed = layout.gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
-    packed = F.pad(packed, (0, 1))  # a 0 at T for the columns past a sequence (or T = 0)
-
-    column = torch.arange(max_seqlen - shift, device=shard.device)
-    source = (cu[:-1].unsqueeze(-1) + column).clamp(0, total)  # [B, max_seqlen - shift]
-    keep = column < (cu[1:] - cu[:-1] - shift).unsqueeze(-1)
-    return _split(torch.where(keep, packed[..., source], 0.0), return_entropy)
+    return split_entropy(result, return_entropy)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _validation, context_parallel, logits as _logits
+from compiled_logprob import _validation, context_parallel, logits as _logits, packed
 from compiled_logprob._ops.lm_head import lm_head_stats_of
 from compiled_logprob._validation import Options
 
@@ -310,7 +310,7 @@ def lm_head_packed_context_parallel_logprobs(
         hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
         ignore_index=ignore_index,
     )
-    return context_parallel.packed_cp_logprobs(
+    return packed.packed_cp_logprobs(
         local_fn,
         hidden,
         input_ids,

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compiled_logprob import context_parallel as cp_api
 from compiled_logprob import dtensor as dt_api
+from compiled_logprob import packed as packed_api
 from compiled_logprob import nemo_compat as nemo
 from compiled_logprob.testing.reference import oracle_entropy, oracle_logprobs, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
@@ -211,7 +212,7 @@ def _packed_logprobs(
     api, logits, ids, cu, max_seqlen, lo, hi, tp_group, cp_group, chunk, next_token, **options
 ):
     if api == "packed_context_parallel_logprobs":
-        return cp_api.packed_context_parallel_logprobs(
+        return packed_api.packed_context_parallel_logprobs(
             logits,
             ids,
             cu,
@@ -511,7 +512,7 @@ def _check_edge_cases(tp, cp):
         )
 
     def packed(logits, ids, cu, max_seqlen, **options):
-        return cp_api.packed_context_parallel_logprobs(
+        return packed_api.packed_context_parallel_logprobs(
             logits, ids, cu, max_seqlen=max_seqlen, vocab_start=lo, group=tp_group,
             cp_group=cp_group, **options,
         )
@@ -743,11 +744,11 @@ def test_numpy_ints_are_ints():
     full, ids, cu = _packed_layout((3, 1, 6, 5), 1, 0, torch.int64)
     logits = full[None].float()
     for max_seqlen in (1, 6, 9):
-        expected = cp_api.packed_context_parallel_logprobs(
+        expected = packed_api.packed_context_parallel_logprobs(
             logits, ids[None], cu, max_seqlen=max_seqlen
         )
         for np_int in (np.int64, np.int32, np.uint8):
-            out = cp_api.packed_context_parallel_logprobs(
+            out = packed_api.packed_context_parallel_logprobs(
                 logits, ids[None], cu, max_seqlen=np_int(max_seqlen), chunk_size=np_int(2)
             )
             assert torch.equal(out, expected), (max_seqlen, np_int)
@@ -814,7 +815,7 @@ def test_unscored_ids_may_be_anything():
         ids_bad = packed_ids.clone()
         ids_bad[firsts] = bad
         for out in (
-            cp_api.packed_context_parallel_logprobs(
+            packed_api.packed_context_parallel_logprobs(
                 full[None].float(), ids_bad[None], cu, max_seqlen=6
             ),
             nemo.from_parallel_logits_to_logprobs_packed_sequences(
@@ -830,10 +831,10 @@ def test_empty_packed_row_gives_zeros():
     for cu_dtype, max_seqlen in itertools.product((torch.int32, torch.int64), (1, 2, 6)):
         logits = torch.randn(1, 0, 11, requires_grad=True)
         outs = (
-            cp_api.packed_context_parallel_logprobs(
+            packed_api.packed_context_parallel_logprobs(
                 logits, ids, cu.to(cu_dtype), max_seqlen=max_seqlen
             ),
-            *cp_api.packed_context_parallel_logprobs(
+            *packed_api.packed_context_parallel_logprobs(
                 logits, ids, cu.to(cu_dtype), max_seqlen=max_seqlen, return_entropy=True
             ),
             nemo.from_parallel_logits_to_logprobs_packed_sequences(
@@ -1009,7 +1010,7 @@ def _host_sync_checks(tp, cp):
                 logits, torch.stack([ids, ids.flip(-1)], -1)[:, 1:], tp_group, cp_group,
                 vocab_start_index=lo, vocab_end_index=hi,
             ),
-            *cp_api.packed_context_parallel_logprobs(
+            *packed_api.packed_context_parallel_logprobs(
                 packed_logits, packed_ids[None], cu, max_seqlen=5, vocab_start=lo,
                 group=tp_group, cp_group=cp_group, next_token=False, **extras,
             ),
@@ -1030,7 +1031,7 @@ def _host_sync_checks(tp, cp):
                 temperature=torch.full((BATCH, 6 * cp - 2), 0.7),
                 **extras,
             ),
-            *cp_api.packed_context_parallel_logprobs(
+            *packed_api.packed_context_parallel_logprobs(
                 packed_logits,
                 torch.where(packed_ids % 5 == 0, IGNORE, packed_ids)[None],
                 cu,
@@ -1168,7 +1169,7 @@ def _bad_input_messages(tp, cp):
             logits, ids, vocab_start=lo, group=tp_group, cp_group=cp_group,
             temperature=torch.ones(1, 6 * cp),
         ),
-        "packed temperature shape": lambda: cp_api.packed_context_parallel_logprobs(
+        "packed temperature shape": lambda: packed_api.packed_context_parallel_logprobs(
             logits, ids, cu, max_seqlen=4, vocab_start=lo, group=tp_group, cp_group=cp_group,
             temperature=torch.ones(3, 1),
         ),

@@ -24,7 +24,6 @@ from compiled_logprob._math.kernels import (
     Traced,
     exponent_scale,
     finite_or_zero,
-    promoted,
 )
 
 

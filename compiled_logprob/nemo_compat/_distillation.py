@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from compiled_logprob import _validation, context_parallel, dtensor, logits as core
+from compiled_logprob import _validation, context_parallel, dtensor, logits as core, raw_logits
 from compiled_logprob.nemo_compat._arguments import even_shard_start, this_shard
 
 
@@ -31,7 +31,7 @@ def distributed_vocab_topk(
     """
     logits, start = this_shard(vocab_parallel_logits, vocab_start_index, vocab_end_index, True)
     _validation.check_logits(logits)
-    return core.vocab_parallel_topk_logits(logits, k, vocab_start=start, group=tp_group)
+    return raw_logits.vocab_parallel_topk_logits(logits, k, vocab_start=start, group=tp_group)
 
 
 def gather_logits_at_global_indices(
@@ -64,7 +64,7 @@ def gather_logits_at_global_indices(
         )
     seq_len = global_indices.shape[1]
     global_indices = context_parallel.shard_natural(global_indices, logits.shape[1], cp_group)
-    picked = core.vocab_parallel_logits_at(logits, global_indices, vocab_start=start, group=tp_group)
+    picked = raw_logits.vocab_parallel_logits_at(logits, global_indices, vocab_start=start, group=tp_group)
     return context_parallel.gather_natural(picked, seq_len, cp_group)
 
 

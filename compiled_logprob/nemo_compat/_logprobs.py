@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from compiled_logprob import _comm, logits as core
+from compiled_logprob import _comm, logits as core, raw_logits
 from compiled_logprob.nemo_compat._arguments import filter_settings, sharding_group, this_shard
 
 
@@ -237,4 +237,4 @@ def vocab_parallel_full_log_softmax(
     (Megatron's gather), each rank's logits receive the gradient of their own slice only."""
     group = sharding_group(tp_group)
     sharded = vocab_parallel_log_softmax(logits, temperature, tp_group=group)
-    return core.gather_vocab_parallel(sharded, group=group)
+    return raw_logits.gather_vocab_parallel(sharded, group=group)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from compiled_logprob import _validation, context_parallel, dtensor
+from compiled_logprob import _validation, context_parallel, dtensor, packed
 from compiled_logprob.nemo_compat._arguments import even_shard_start, sampling_filter, this_shard
 
 
@@ -115,7 +115,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
     if not target_is_pre_rolled:
-        return context_parallel.packed_context_parallel_logprobs(
+        return packed.packed_context_parallel_logprobs(
             vocab_parallel_logits,
             target,
             cu_seqlens_padded,
@@ -130,7 +130,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         vocab_parallel_logits, target, vocab_start=start, group=group, chunk_size=chunk_size,
         ignore_index=None, return_entropy=False, **sampling,
     )
-    return context_parallel.packed_cp_logprobs(
+    return packed.packed_cp_logprobs(
         local_fn,
         vocab_parallel_logits,
         target,
