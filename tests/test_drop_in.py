@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_errors import SamplingParams
+from helpers import SamplingParams
 
 import compiled_logprob as cl
 from compiled_logprob.testing.reference import (

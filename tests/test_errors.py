@@ -4,13 +4,13 @@ input is not an error."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import SamplingParams, check_message
 
 import compiled_logprob as cl
 from compiled_logprob import _torch_compat
@@ -19,15 +19,6 @@ from compiled_logprob._math.merge import OWNERSHIP_ERROR
 
 LOGITS = torch.randn(2, 5, 7)
 TARGET = torch.randint(0, 7, (2, 5))
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    """NeMo-RL's ``TrainingSamplingParams``, as its drop-ins read it (test_drop_in's too)."""
-
-    top_k: int | None = None
-    top_p: float = 1.0
-    temperature: float = 1.0
 
 
 def _token_logprobs(logits=LOGITS, target=TARGET, **options):
@@ -355,15 +346,6 @@ CASES = {
         ["seq_index", "permutation"],
     ),
 }
-
-
-def check_message(call, error: type[Exception], substrings: list[str]) -> None:
-    """``call()`` raises ``error`` with a message containing every one of ``substrings``."""
-    with pytest.raises(error) as raised:
-        call()
-    message = str(raised.value)
-    missing = [s for s in substrings if s not in message]
-    assert not missing, f"message {message!r} lacks {missing}"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

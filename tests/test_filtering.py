@@ -19,10 +19,10 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import SamplingParams
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_context_parallel import BATCH, _layout, _ref_shard, _ref_shard_packed
-from test_errors import SamplingParams
 from test_tp_numerics import (
     DTYPES,
     IGNORE,

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import check_message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -32,7 +33,6 @@ from compiled_logprob.lm_head import (
 )
 from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logprobs, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
-from test_errors import check_message
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IGNORE = -100
