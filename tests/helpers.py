@@ -1,6 +1,11 @@
 """What more than one test module uses, in one place: test modules import this module, the
 conftest fixtures, the package and third-party libraries, never one another.
 
+* The dtypes, ``ignore_index`` and fp32 constants of the oracle tests, and their
+  elementwise tolerance check (:func:`assert_within`).
+* Running a module's ``check_case(case, group)`` on TP = 1 in this process or on the
+  session's gloo pools (:func:`run_cases`), in a Hypothesis property on TP subgroups
+  (:func:`check_sharded_property`), or compiled (:func:`compiled_per_case`).
 * NeMo-RL's sampling parameters and the check of an error's message.
 """
 
@@ -9,6 +14,105 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from compiled_logprob.testing.multiprocess import property_in_lockstep
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+IGNORE = -100
+FP32_EPS = torch.finfo(torch.float32).eps
+FP32_TINY = torch.finfo(torch.float32).smallest_normal * FP32_EPS  # the subnormal step
+
+
+# ---------------------------------------------------------------------------------------
+# Tolerances and the runners of the oracle tests' cases
+
+
+def assert_within(actual, expected, bound, what: str) -> None:
+    """``|actual - expected| <= bound`` elementwise; NaN and ±inf must sit at the same places."""
+    actual, expected = actual.double(), expected.double()
+    both_nan = actual.isnan() & expected.isnan()
+    ok = (actual == expected) | ((actual - expected).abs() <= bound) | both_nan
+    if not ok.all():
+        bad = tuple((~ok).nonzero()[0].tolist())
+        bound = bound.expand_as(expected)
+        raise AssertionError(
+            f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; first at {bad}: "
+            f"ours {actual[bad].item()!r}, oracle {expected[bad].item()!r}, "
+            f"bound {bound[bad].item()!r}"
+        )
+
+
+def rank_and_size(group) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group``; ``(0, 1)`` for ``group=None``."""
+    return (0, 1) if group is None else (dist.get_rank(group), group.size())
+
+
+def compiled_per_case(ours):
+    """A test module's ``_ours(case, shard, target, start, group, option)`` under
+    ``torch.compile(fullgraph=True)``, compiled afresh for each call's case and with no
+    cached artifact (one of another form of the same graph would stand in for it)."""
+
+    def call(case, shard, target, start, group, option):
+        def run(shard, target, option):
+            return ours(case, shard, target, start, group, option)
+
+        torch._dynamo.reset()
+        with torch.compiler.config.patch(force_disable_caches=True):
+            return torch.compile(run, fullgraph=True)(shard, target, option)
+
+    return call
+
+
+# The world's ranks split into consecutive groups of each TP size (the last one possibly
+# smaller), created once per worker: new_group is collective, so every rank makes every group.
+_TP_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def tp_group(tp: int) -> dist.ProcessGroup:
+    """This rank's TP subgroup of size ``tp`` (a worker's; the groups are made on first use)."""
+    if not _TP_GROUPS:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for size in range(1, world + 1):
+            for first in range(0, world, size):
+                ranks = list(range(first, min(first + size, world)))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    _TP_GROUPS[size] = group
+    return _TP_GROUPS[tp]
+
+
+def _check_in_world_group(check_case, cases: list) -> None:
+    """``check_case(case, group)`` for each case, on the world group (a pool's worker task),
+    or with ``group=None`` where torch.distributed is not initialised."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    for case in cases:
+        check_case(case, group)
+
+
+def run_cases(gloo_pool, world: int, check_case, cases: list) -> None:
+    """:func:`_check_in_world_group` on ``world`` ranks: TP = 1 in this process (no
+    torch.distributed), else on the session's gloo pool of that size."""
+    if world == 1:
+        _check_in_world_group(check_case, cases)
+    else:
+        gloo_pool(world).run(_check_in_world_group, check_case, cases)
+
+
+def check_sharded_property(cases, check_case, max_examples: int) -> None:
+    """A Hypothesis property in lockstep on every rank of the pool (a worker task):
+    ``cases(world_size)`` draws ``(case, tp)``, and ``check_case(case, group)`` runs on the
+    pool's TP subgroup of that size."""
+    property_in_lockstep(
+        cases(dist.get_world_size()),
+        lambda drawn: check_case(drawn[0], tp_group(drawn[1])),
+        max_examples=max_examples,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Small shared pieces
 
 
 @dataclasses.dataclass

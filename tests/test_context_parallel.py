@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import IGNORE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -37,7 +38,6 @@ from compiled_logprob.testing.sync_check import no_host_syncs
 GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]  # (tp, cp)
 BATCH, VOCAB = 2, 97
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IGNORE = -100
 # Keyword options beyond the drop-ins': None (none), "float" (ignore_index, temperature 0.7),
 # "position" (ignore_index, a per-position temperature tensor, return_entropy).
 EXTRAS = (None, "float", "position")

@@ -20,22 +20,22 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_tp_numerics import (
+from helpers import (
     DTYPES,
-    _assert_within,
-    _rank_and_size,
+    FP32_EPS,
+    assert_within,
     check_sharded_property,
+    rank_and_size,
     run_cases,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import compiled_logprob as cl
 from compiled_logprob._ops import cross_entropy as _ops
 from compiled_logprob.testing.reference import oracle_cross_entropy, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
-FP32_EPS = torch.finfo(torch.float32).eps
 INF = float("inf")
 
 
@@ -82,7 +82,7 @@ def _inputs(case: Case):
 
 
 def _check_case(case: Case, group) -> None:
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start, end = vocab_bounds(case.vocab, world, rank)
     student, teacher, temperature, upstream = _inputs(case)
@@ -107,7 +107,7 @@ def _check_case(case: Case, group) -> None:
     z = student.double() / (t if isinstance(t, float) else t.unsqueeze(-1))
     z_max = torch.where(z.isfinite(), z.abs(), 0.0).amax(-1)
     ulps = 16 * FP32_EPS * (1 + z_max)
-    _assert_within(actual, expected, ulps * (1 + expected.abs()), f"{where}: cross-entropy")
+    assert_within(actual, expected, ulps * (1 + expected.abs()), f"{where}: cross-entropy")
 
     # Gradients: ulps of |z| relative to p and q, the fp32 subnormal step of p or q, or of
     # their product with g (times what multiplies them then), and the rounding to the
@@ -137,7 +137,7 @@ def _check_case(case: Case, group) -> None:
             + dtype_eps * reference.abs()
             + dtype_tiny
         )
-        _assert_within(actual_grad, reference, bound, f"{where}: grad {name}")
+        assert_within(actual_grad, reference, bound, f"{where}: grad {name}")
 
 
 CASES = [

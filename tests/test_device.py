@@ -25,6 +25,7 @@ import test_filtering as filtering
 import test_lm_head as lm_head
 import test_tp_numerics as numerics
 import torch
+from helpers import compiled_per_case
 from torch.utils._pytree import tree_map
 
 import compiled_logprob as cl
@@ -46,7 +47,7 @@ def _on_device(ours, *, compiled: bool = False):
     """A test module's ``_ours(case, shard, target, start, group, option)`` run on
     :data:`DEVICE` (compiled with ``fullgraph=True`` when asked), its outputs back on the CPU."""
 
-    run = numerics.compiled_per_case(ours) if compiled else ours
+    run = compiled_per_case(ours) if compiled else ours
 
     def call(case, shard, target, start, group, option):
         shard, target, option = _to(DEVICE, (shard, target, option))

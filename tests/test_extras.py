@@ -19,17 +19,20 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import test_tp_numerics as numerics
-from test_tp_numerics import (
+from helpers import (
     DTYPES,
+    FP32_EPS,
+    FP32_TINY,
     IGNORE,
-    _assert_within,
-    _rank_and_size,
+    assert_within,
     check_sharded_property,
+    compiled_per_case,
+    rank_and_size,
     run_cases,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import compiled_logprob as cl
 from compiled_logprob._math import kernels, stats, topk
@@ -50,8 +53,6 @@ APIS = (
     "vocab_parallel_topk",
 )
 TEMPERATURES = (None, "float", "row", "position")
-FP32_EPS = torch.finfo(torch.float32).eps
-FP32_TINY = torch.finfo(torch.float32).smallest_normal * FP32_EPS  # the subnormal step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +204,7 @@ def _entropy_outputs(case: Case) -> tuple[bool, ...]:
 
 def _check_case(case: Case, group) -> None:
     """Forward and backward of ``case`` on this rank's shard against the float64 oracle."""
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start, end = vocab_bounds(case.vocab, world, rank)
     logits, target, temperature = _inputs(case, world)
@@ -233,7 +234,7 @@ def _check_case(case: Case, group) -> None:
     delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
     for out, ref, is_entropy in zip(ours, refs, _entropy_outputs(case)):
         assert out.dtype == torch.float32 and out.shape == ref.shape, (where, out.shape, ref.shape)
-        _assert_within(out, ref, delta + FP32_EPS * ref.abs(), f"{where} output")
+        assert_within(out, ref, delta + FP32_EPS * ref.abs(), f"{where} output")
         # lse − fl(lse − H) >= 0 exactly for H >= 0: rounding never makes an entropy negative.
         assert not is_entropy or ((out >= 0) | out.isnan()).all(), f"{where}: negative entropy"
     if case.ignore:
@@ -246,7 +247,7 @@ def _check_case(case: Case, group) -> None:
         ref_grad = torch.where(_ignored_rows(case, target).unsqueeze(-1), 0.0, ref_grad)
     bound = _grad_bound(case, full, temperature, upstreams, ref_grad, delta, grad.dtype)
     mine = slice(start, end)
-    _assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")
+    assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")
 
 
 # ---------------------------------------------------------------------------------------
@@ -421,7 +422,7 @@ def test_online_softmax_form(monkeypatch, case):
     """The statistics in the form Inductor's online softmax matches (taken on CUDA only,
     where it is Triton's), forced here and compiled on the CPU, against the oracle."""
     monkeypatch.setattr(stats, "uses_online_softmax", lambda logits: True)
-    monkeypatch.setattr(sys.modules[__name__], "_ours", numerics.compiled_per_case(_ours))
+    monkeypatch.setattr(sys.modules[__name__], "_ours", compiled_per_case(_ours))
     _check_case(case, None)
 
 
@@ -496,7 +497,7 @@ def test_property(gloo_pool):
 def _host_sync_checks() -> None:
     """Eager forward and backward of every new path under the host-sync dispatch check."""
     group = dist.group.WORLD
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     start, end = vocab_bounds(97, world, rank)
     logits = torch.randn(2, 7, end - start, requires_grad=True)
     ids = torch.randint(0, 97, (2, 7, 3), generator=torch.Generator().manual_seed(0))
@@ -574,7 +575,7 @@ def _log_softmax_temperature_checks() -> None:
     """This rank's shard of the tempered log-softmax and its gradient against the oracle's,
     for a float and a per-position tensor temperature (V = 37: uneven shards)."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     start, end = vocab_bounds(37, world, rank)
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(2, 5, 37, generator=gen, dtype=torch.float64) * 3

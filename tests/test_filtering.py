@@ -19,18 +19,20 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import SamplingParams
+from helpers import (
+    DTYPES,
+    FP32_EPS,
+    FP32_TINY,
+    IGNORE,
+    SamplingParams,
+    assert_within,
+    check_sharded_property,
+    rank_and_size,
+    run_cases,
+)
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_context_parallel import BATCH, _layout, _ref_shard, _ref_shard_packed
-from test_tp_numerics import (
-    DTYPES,
-    IGNORE,
-    _assert_within,
-    _rank_and_size,
-    check_sharded_property,
-    run_cases,
-)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compiled_logprob as cl
@@ -39,8 +41,6 @@ from compiled_logprob import context_parallel as cp_api
 from compiled_logprob.testing.reference import oracle_filtered_log_softmax
 from compiled_logprob.testing.sync_check import no_host_syncs
 
-FP32_EPS = torch.finfo(torch.float32).eps
-FP32_TINY = torch.finfo(torch.float32).smallest_normal * FP32_EPS
 # Top-p decisions closer than this to the boundary are rounding's to make.
 MARGIN = 1e-4
 
@@ -144,7 +144,7 @@ def _oracle(case: Case, full, target, temperature):
 
 
 def _check_case(case: Case, group) -> None:
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start = rank * case.width
     logits, target, temperature = _inputs(case, world)
@@ -175,7 +175,7 @@ def _check_case(case: Case, group) -> None:
     )
     delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
     mask = rows_mask.expand_as(out)
-    _assert_within(out[mask], ref[mask], delta + FP32_EPS * ref[mask].abs(), f"{where} output")
+    assert_within(out[mask], ref[mask], delta + FP32_EPS * ref[mask].abs(), f"{where} output")
 
     with torch.no_grad():
         log_softmax, _ = oracle_filtered_log_softmax(
@@ -194,7 +194,7 @@ def _check_case(case: Case, group) -> None:
         )
     mine = slice(start, start + case.width)
     finite_rows = ~full.isnan().any(-1)  # a NaN row's gradient is NaN
-    _assert_within(
+    assert_within(
         grad[finite_rows],
         ref_grad[..., mine][finite_rows],
         bound[..., mine][finite_rows],
@@ -336,7 +336,7 @@ def test_property(gloo_pool):
 
 def _host_sync_checks() -> None:
     group = dist.group.WORLD
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     logits = torch.randn(2, 7, 11, requires_grad=True)
     ids = torch.randint(0, 11 * world, (2, 7), generator=torch.Generator().manual_seed(0))
     options = {"vocab_start": rank * 11, "group": group, "ignore_index": IGNORE}
@@ -424,10 +424,10 @@ def _check_context_parallel(tp: int, cp: int) -> None:
         out = call(shard)
         (grad,) = torch.autograd.grad(out, shard, upstream.float())
         settled = (margin > MARGIN).expand_as(out)
-        _assert_within(out[settled], ref[settled], 1e-4 + FP32_EPS * ref[settled].abs(), where)
+        assert_within(out[settled], ref[settled], 1e-4 + FP32_EPS * ref[settled].abs(), where)
         # Every CP rank's loss holds every position: a rank's logits get cp times the oracle's.
         expected = cp * layout(ref_grad)[..., lo:hi]
-        _assert_within(grad, expected, 1e-5 * (1 + expected.abs()), f"{where} gradient")
+        assert_within(grad, expected, 1e-5 * (1 + expected.abs()), f"{where} gradient")
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "cp2", "tp2xcp2"])

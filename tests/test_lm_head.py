@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import check_message
+from helpers import IGNORE, check_message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -35,7 +35,6 @@ from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logpro
 from compiled_logprob.testing.sync_check import no_host_syncs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IGNORE = -100
 
 
 @dataclasses.dataclass(frozen=True)

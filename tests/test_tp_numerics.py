@@ -18,6 +18,14 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import (
+    DTYPES,
+    FP32_EPS,
+    IGNORE,
+    assert_within,
+    rank_and_size,
+    tp_group,
+)
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
@@ -30,8 +38,6 @@ from compiled_logprob.testing.reference import (
     vocab_bounds,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-IGNORE = -100
 # Outputs [..., S] (replicated on every rank): one log-prob or logsumexp per position.
 TOKEN_APIS = ("token_logprobs", "DistributedLogprob", "ChunkedDistributedLogprob")
 ROW_APIS = (*TOKEN_APIS, "vocab_parallel_logsumexp")
@@ -128,44 +134,9 @@ def _value_and_grad(fn, leaf: torch.Tensor, upstream: torch.Tensor):
     return out.detach(), grad
 
 
-def compiled_per_case(ours):
-    """A test module's ``_ours(case, shard, target, start, group, option)`` under
-    ``torch.compile(fullgraph=True)``, compiled afresh for each call's case and with no
-    cached artifact (one of another form of the same graph would stand in for it)."""
-
-    def call(case, shard, target, start, group, option):
-        def run(shard, target, option):
-            return ours(case, shard, target, start, group, option)
-
-        torch._dynamo.reset()
-        with torch.compiler.config.patch(force_disable_caches=True):
-            return torch.compile(run, fullgraph=True)(shard, target, option)
-
-    return call
-
-
-def _assert_within(actual, expected, bound, what: str) -> None:
-    """``|actual - expected| <= bound`` elementwise; NaN and ±inf must sit at the same places."""
-    actual, expected = actual.double(), expected.double()
-    both_nan = actual.isnan() & expected.isnan()
-    ok = (actual == expected) | ((actual - expected).abs() <= bound) | both_nan
-    if not ok.all():
-        bad = tuple((~ok).nonzero()[0].tolist())
-        bound = bound.expand_as(expected)
-        raise AssertionError(
-            f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; first at {bad}: "
-            f"ours {actual[bad].item()!r}, oracle {expected[bad].item()!r}, "
-            f"bound {bound[bad].item()!r}"
-        )
-
-
-def _rank_and_size(group) -> tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), group.size())
-
-
 def _check_case(case: Case, group) -> None:
     """Forward and backward of ``case`` on this rank's shard against the float64 oracle."""
-    rank, world = _rank_and_size(group)
+    rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start, end = vocab_bounds(case.vocab, world, rank)
     logits, target, upstream = _inputs(case, world)
@@ -193,7 +164,7 @@ def _check_case(case: Case, group) -> None:
     # Results are rounded into their dtype last: allow one ulp of it relative to the value
     # (the fp32 error can push a value across a rounding boundary).
     out_eps = torch.finfo(ours.dtype).eps
-    _assert_within(ours, ref, delta + out_eps * ref.abs(), f"{where} forward")
+    assert_within(ours, ref, delta + out_eps * ref.abs(), f"{where} forward")
 
     # Gradients are g_lse * softmax + g_target * onehot. softmax = exp(z - lse) inherits
     # delta as a relative error, so each element's error is at most delta times the row's
@@ -217,7 +188,7 @@ def _check_case(case: Case, group) -> None:
         kept = target != IGNORE
         assert torch.equal(ours[kept], plain[kept]), f"{where}: ignore_index changed log-probs"
         assert torch.equal(grad[kept], plain_grad[kept]), f"{where}: ignore_index changed grads"
-    _assert_within(grad, ref_grad, grad_bound, f"{where} gradient")
+    assert_within(grad, ref_grad, grad_bound, f"{where} gradient")
 
 
 def _check_in_world(case: Case) -> None:
@@ -230,7 +201,7 @@ def _run_case(gloo_pool, world: int, case: Case) -> None:
 
 def _check_bad_target(kind: str, api: str, chunk: int | None) -> str:
     """A target no rank owns raises on every rank; then the same process computes correctly."""
-    rank, world = _rank_and_size(dist.group.WORLD)
+    rank, world = rank_and_size(dist.group.WORLD)
     vocab = 13
     end_0 = vocab_bounds(vocab, world, 0)[1]
     # "gap": rank r's shard moves up by r, so id end_0 lies between shards 0 and 1;
@@ -280,54 +251,9 @@ def _cases(draw) -> Case:
     )
 
 
-# The world's ranks split into consecutive groups of each TP size (the last one possibly
-# smaller), created once per worker: new_group is collective, so every rank makes every group.
-_TP_GROUPS: dict[int, dist.ProcessGroup] = {}
-
-
-def _tp_group(tp: int) -> dist.ProcessGroup:
-    if not _TP_GROUPS:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        for size in range(1, world + 1):
-            for first in range(0, world, size):
-                ranks = list(range(first, min(first + size, world)))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    _TP_GROUPS[size] = group
-    return _TP_GROUPS[tp]
-
-
-def _check_in_world_group(check_case, cases: list) -> None:
-    """``check_case(case, group)`` for each case, on the world group (a pool's worker task),
-    or with ``group=None`` where torch.distributed is not initialised."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    for case in cases:
-        check_case(case, group)
-
-
-def run_cases(gloo_pool, world: int, check_case, cases: list) -> None:
-    """:func:`_check_in_world_group` on ``world`` ranks: TP = 1 in this process (no
-    torch.distributed), else on the session's gloo pool of that size."""
-    if world == 1:
-        _check_in_world_group(check_case, cases)
-    else:
-        gloo_pool(world).run(_check_in_world_group, check_case, cases)
-
-
-def check_sharded_property(cases, check_case, max_examples: int) -> None:
-    """A Hypothesis property in lockstep on every rank of the pool (a worker task):
-    ``cases(world_size)`` draws ``(case, tp)``, and ``check_case(case, group)`` runs on the
-    pool's TP subgroup of that size."""
-    property_in_lockstep(
-        cases(dist.get_world_size()),
-        lambda drawn: check_case(drawn[0], _tp_group(drawn[1])),
-        max_examples=max_examples,
-    )
-
-
 def _property_example(drawn: tuple[Case, int]) -> None:
     case, tp = drawn
-    _check_case(case, _tp_group(tp))
+    _check_case(case, tp_group(tp))
 
 
 # ---------------------------------------------------------------------------------------
@@ -417,9 +343,6 @@ def test_property(gloo_pool):
     """Hypothesis over B, S, V, TP size (1-4, as subgroups of 4 ranks), chunk, dtype, scale,
     -inf/NaN rows and ignore_index, all APIs, forward and backward."""
     gloo_pool(4).run(_check_property, 120)
-
-
-FP32_EPS = torch.finfo(torch.float32).eps
 
 
 def _precision_outputs(logits: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
