@@ -6,6 +6,9 @@ conftest fixtures, the package and third-party libraries, never one another.
 * Running a module's ``check_case(case, group)`` on TP = 1 in this process or on the
   session's gloo pools (:func:`run_cases`), in a Hypothesis property on TP subgroups
   (:func:`check_sharded_property`), or compiled (:func:`compiled_per_case`).
+* The context-parallel layout: a ``("cp", "tp")`` mesh per process (:func:`cp_layout`) and
+  the load-balanced CP shard by chunk-and-concat (:func:`ref_shard`,
+  :func:`ref_shard_packed`), independent of the library's index maps.
 * NeMo-RL's sampling parameters and the check of an error's message.
 """
 
@@ -16,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 
@@ -109,6 +113,42 @@ def check_sharded_property(cases, check_case, max_examples: int) -> None:
         lambda drawn: check_case(drawn[0], tp_group(drawn[1])),
         max_examples=max_examples,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Context parallelism: the ("cp", "tp") mesh and the load-balanced layout, by chunk-and-concat
+
+CP_BATCH = 2  # rows of the context-parallel cases
+_MESHES: dict[tuple[int, int], object] = {}
+
+
+def cp_layout(tp: int, cp: int):
+    """``(mesh, tp_group, cp_group, tp_rank, cp_rank)``; the mesh is built once per process."""
+    if (tp, cp) not in _MESHES:
+        _MESHES[tp, cp] = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    mesh = _MESHES[tp, cp]
+    return (
+        mesh,
+        mesh.get_group("tp"),
+        mesh.get_group("cp"),
+        mesh.get_local_rank("tp"),
+        mesh.get_local_rank("cp"),
+    )
+
+
+def ref_shard(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+    """This rank's load-balanced CP shard of ``x`` along ``dim``: chunks ``rank`` and
+    ``2 · size − 1 − rank`` of its ``2 · size`` chunks, concatenated."""
+    if size == 1:
+        return x
+    chunks = x.chunk(2 * size, dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
+
+
+def ref_shard_packed(x: torch.Tensor, bounds, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of a packed row ``x`` ``[T, ...]``: each padded sequence ``[s, e)`` of
+    ``bounds`` load-balanced-sharded on its own, concatenated."""
+    return torch.cat([ref_shard(x[s:e], rank, size, 0) for s, e in bounds])
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Context parallelism, packed sequences and DTensor entry points against the float64 oracle.
 
 Every case builds the same full (natural-order, full-vocabulary) logits and token ids on
-every rank from one seed, cuts out the rank's part with this file's own chunk-and-concat
-reference of the load-balanced layout (independent of the library's index maps), and
-compares the rank's output with the oracle's. Gradients: each rank backpropagates its own
-upstream gradient; the CP gather's backward must hand each rank the sum over its CP group
-of the upstream gradients at its positions, so the expected logits gradient is the
-oracle's under that summed upstream, cut out like the logits.
+every rank from one seed, cuts out the rank's part with the tests' own chunk-and-concat
+reference of the load-balanced layout (``helpers.ref_shard``, independent of the library's
+index maps), and compares the rank's output with the oracle's. Gradients: each rank
+backpropagates its own upstream gradient; the CP gather's backward must hand each rank the
+sum over its CP group of the upstream gradients at its positions, so the expected logits
+gradient is the oracle's under that summed upstream, cut out like the logits.
 
 Ranks are laid out on a ``("cp", "tp")`` device mesh; grids are ``(tp, cp)``.
 """
@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import IGNORE
+from helpers import CP_BATCH, IGNORE, cp_layout, ref_shard, ref_shard_packed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,42 +35,14 @@ from compiled_logprob.testing.reference import oracle_entropy, oracle_logprobs, 
 from compiled_logprob.testing.sync_check import no_host_syncs
 
 GRIDS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]  # (tp, cp)
-BATCH, VOCAB = 2, 97
+VOCAB = 97
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Keyword options beyond the drop-ins': None (none), "float" (ignore_index, temperature 0.7),
 # "position" (ignore_index, a per-position temperature tensor, return_entropy).
 EXTRAS = (None, "float", "position")
-_MESHES: dict[tuple[int, int], object] = {}
 
 
 # --- helpers, run inside the gloo workers ------------------------------------------------
-
-
-def _layout(tp: int, cp: int):
-    """``(mesh, tp_group, cp_group, tp_rank, cp_rank)``; the mesh is built once per process."""
-    if (tp, cp) not in _MESHES:
-        _MESHES[tp, cp] = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
-    mesh = _MESHES[tp, cp]
-    return (
-        mesh,
-        mesh.get_group("tp"),
-        mesh.get_group("cp"),
-        mesh.get_local_rank("tp"),
-        mesh.get_local_rank("cp"),
-    )
-
-
-def _ref_shard(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
-    if size == 1:
-        return x
-    chunks = x.chunk(2 * size, dim)
-    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
-
-
-def _ref_shard_packed(x: torch.Tensor, bounds, rank: int, size: int) -> torch.Tensor:
-    """This rank's part of a packed row ``x`` ``[T, ...]``: each padded sequence ``[s, e)`` of
-    ``bounds`` load-balanced-sharded on its own, concatenated."""
-    return torch.cat([_ref_shard(x[s:e], rank, size, 0) for s, e in bounds])
 
 
 def _rolled_within(ids: torch.Tensor, bounds) -> torch.Tensor:
@@ -156,15 +127,16 @@ def _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, next_token
 
 
 def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0, extras=None, next_token=True):
-    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    _, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     dtype = DTYPES[dtype_name]
     local_len = 2 * -(-seq // (2 * cp))  # room for S, load-balanced chunks
     gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64).to(dtype)
-    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
-    ids, options = _extras(extras, ids, (BATCH, seq - next_token), gen)
+    shape = (CP_BATCH, local_len * cp, VOCAB)
+    full = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    ids = torch.randint(0, VOCAB, (CP_BATCH, seq), generator=gen)
+    ids, options = _extras(extras, ids, (CP_BATCH, seq - next_token), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
-    logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
+    logits = ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
 
     out = _stacked(
         _cp_logprobs(api, logits, ids, lo, hi, tp_group, cp_group, chunk, next_token, **options)
@@ -174,7 +146,7 @@ def _check_cp(tp, cp, api, seq, chunk, dtype_name, seed=0, extras=None, next_tok
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
-    expected_grad = _ref_shard(oracle_in.grad, cp_rank, cp, 1)[..., lo:hi]
+    expected_grad = ref_shard(oracle_in.grad, cp_rank, cp, 1)[..., lo:hi]
     _assert_matches(out, expected, logits.grad, expected_grad, upstream_sum, dtype)
 
 
@@ -235,17 +207,17 @@ def _check_packed(
 ):
     """``api="pre_rolled"``: the drop-in given this rank's targets, rolled within each
     sequence and CP-sharded like the logits (NeMo-RL's ``target_is_pre_rolled``)."""
-    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    _, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     full, ids, cu = _packed_layout(lengths, cp, seed, cu_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     ids, options = _extras(extras, ids, (len(lengths), max_seqlen - next_token), gen)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    local = _ref_shard_packed(full, bounds, cp_rank, cp)
+    local = ref_shard_packed(full, bounds, cp_rank, cp)
     logits = local[None, :, lo:hi].float().requires_grad_()
     given = ids
     if api == "pre_rolled":
-        given = _ref_shard_packed(_rolled_within(ids, bounds), bounds, cp_rank, cp)
+        given = ref_shard_packed(_rolled_within(ids, bounds), bounds, cp_rank, cp)
 
     out = _stacked(
         _packed_logprobs(
@@ -258,7 +230,7 @@ def _check_packed(
     upstream, upstream_sum = _upstreams(expected.shape, seed, tp_rank, cp_rank, cp)
     (expected * upstream_sum).sum().backward()
     (out * upstream.float()).sum().backward()
-    expected_grad = _ref_shard_packed(oracle_in.grad, bounds, cp_rank, cp)
+    expected_grad = ref_shard_packed(oracle_in.grad, bounds, cp_rank, cp)
     _assert_matches(
         out, expected, logits.grad, expected_grad[None, :, lo:hi], upstream_sum, torch.float32
     )
@@ -311,11 +283,11 @@ def _dtensor_vocab_bounds(tp_rank: int, tp: int) -> tuple[int, int]:
 
 
 def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None, next_token=True):
-    mesh, tp_group, _, tp_rank, cp_rank = _layout(tp, cp)
+    mesh, tp_group, _, tp_rank, cp_rank = cp_layout(tp, cp)
     gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(BATCH, seq, VOCAB, generator=gen, dtype=torch.float64).float()
-    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
-    ids, options = _extras(extras, ids, (BATCH, seq - next_token), gen)
+    full = torch.randn(CP_BATCH, seq, VOCAB, generator=gen, dtype=torch.float64).float()
+    ids = torch.randint(0, VOCAB, (CP_BATCH, seq), generator=gen)
+    ids, options = _extras(extras, ids, (CP_BATCH, seq - next_token), gen)
     # Any permutation will do: seq_index[k] is the natural position of CP-ordered position k.
     seq_index = torch.randperm(seq, generator=gen) if cp > 1 else torch.arange(seq)
     ordered, ordered_ids = full[:, seq_index], ids[:, seq_index]
@@ -364,7 +336,7 @@ def _check_dtensor(tp, cp, api, seq, chunk, seed=0, extras=None, next_token=True
 
 
 def _check_gather(tp, cp, seed=0):
-    _, _, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    _, _, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(3, 4 * cp, 2, generator=gen, dtype=torch.float64)
     gathers = {
@@ -378,16 +350,16 @@ def _check_gather(tp, cp, seed=0):
     }
     for (name, gather), dim in itertools.product(gathers.items(), (1, -2, 0)):
         x = full.movedim(1, dim)
-        local = _ref_shard(x, cp_rank, cp, dim).clone().requires_grad_()
+        local = ref_shard(x, cp_rank, cp, dim).clone().requires_grad_()
         out = gather(local, dim)
         assert torch.equal(out, x), (name, dim)
         upstream, upstream_sum = _upstreams(x.shape, seed, tp_rank, cp_rank, cp)
         out.backward(upstream)
         torch.testing.assert_close(
-            local.grad, _ref_shard(upstream_sum, cp_rank, cp, dim), msg=f"{name} dim={dim}"
+            local.grad, ref_shard(upstream_sum, cp_rank, cp, dim), msg=f"{name} dim={dim}"
         )
     shard = cp_api.shard_for_context_parallel(full, group=cp_group, dim=1)
-    assert torch.equal(shard, _ref_shard(full, cp_rank, cp, 1))
+    assert torch.equal(shard, ref_shard(full, cp_rank, cp, 1))
 
     # cp_group=None: as NeMo-RL, the default (WORLD) group, here of all tp * cp ranks.
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -400,12 +372,12 @@ def _check_gather(tp, cp, seed=0):
         ("AllGatherCPTensor", lambda x: nemo.AllGatherCPTensor.apply(x, None)),
         ("allgather_cp_sharded_tensor", lambda x: nemo.allgather_cp_sharded_tensor(x, None, 1)),
     ):
-        local = _ref_shard(full, rank, world, 1).clone().requires_grad_()
+        local = ref_shard(full, rank, world, 1).clone().requires_grad_()
         out = gather(local)
         assert torch.equal(out, full), name
         out.backward(upstreams[rank])
         torch.testing.assert_close(
-            local.grad, _ref_shard(sum(upstreams), rank, world, 1), msg=f"{name} cp_group=None"
+            local.grad, ref_shard(sum(upstreams), rank, world, 1), msg=f"{name} cp_group=None"
         )
 
 
@@ -413,14 +385,14 @@ def _check_gather_logits(tp, cp, seed=0):
     """NeMo-RL's ``gather_logits_at_global_indices``: the full logits at K global ids per
     position, exactly; a rank's logits receive, at its positions and the ids it owns, the
     sum over its CP group of the upstream gradients (S = 13 and 11 need padding)."""
-    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    _, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     seq = 13 if cp < 4 else 11
     local_len = 2 * -(-seq // (2 * cp))
     gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen)
-    ids = torch.randint(0, VOCAB, (BATCH, seq, 3), generator=gen)
-    logits = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
+    full = torch.randn(CP_BATCH, local_len * cp, VOCAB, generator=gen)
+    ids = torch.randint(0, VOCAB, (CP_BATCH, seq, 3), generator=gen)
+    logits = ref_shard(full, cp_rank, cp, 1)[..., lo:hi].clone().requires_grad_()
     out = nemo.gather_logits_at_global_indices(
         logits, ids, tp_group, cp_group, vocab_start_index=lo, vocab_end_index=hi
     )
@@ -431,7 +403,7 @@ def _check_gather_logits(tp, cp, seed=0):
     expected[:, :seq].scatter_add_(-1, ids, upstream_sum)
     # The CP gather's backward sums fp32 gradients over the CP group.
     torch.testing.assert_close(
-        logits.grad.double(), _ref_shard(expected, cp_rank, cp, 1)[..., lo:hi],
+        logits.grad.double(), ref_shard(expected, cp_rank, cp, 1)[..., lo:hi],
         rtol=1e-5, atol=1e-6,
     )
 
@@ -441,15 +413,15 @@ def _check_distillation(tp, cp, seed=3):
     logits: the student's log-probs at the teacher's K ids over the full vocabulary (with the
     negative entropy) or renormalised over the K, the teacher's renormalised, all without the
     last position; the student's gradient as the CP gather's backward sums it."""
-    mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    mesh, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     seq = 13 if cp < 4 else 11
     # Without CP the logits hold the S positions; with it, S padded to a multiple of 2·CP.
     local_len = seq if cp == 1 else 2 * -(-seq // (2 * cp))
     gen = torch.Generator().manual_seed(seed)
-    full = 3 * torch.randn(BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64)
-    ids = torch.randint(0, VOCAB, (BATCH, seq, 3), generator=gen)
-    teacher = torch.randn(BATCH, seq, 3, generator=gen)
+    full = 3 * torch.randn(CP_BATCH, local_len * cp, VOCAB, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, VOCAB, (CP_BATCH, seq, 3), generator=gen)
+    teacher = torch.randn(CP_BATCH, seq, 3, generator=gen)
     expected_teacher = torch.log_softmax(teacher.double(), -1)[:, :-1]
     # DTensor shards the vocabulary as torch.chunk does: even shards, so VOCAB - 1 ids.
     even = VOCAB - VOCAB % tp
@@ -463,7 +435,7 @@ def _check_distillation(tp, cp, seed=3):
         vocab = even if layout != "unsharded" else VOCAB
         start = min(vocab, tp_rank * width)
         full_leaf = full[..., :vocab].clone().requires_grad_()
-        local = _ref_shard(full_leaf.detach(), cp_rank, cp, 1)[..., start : start + width]
+        local = ref_shard(full_leaf.detach(), cp_rank, cp, 1)[..., start : start + width]
         local = local.float().clone().requires_grad_()
         args = (local, teacher, ids % vocab, zero_outside, entropy)
         if layout == "megatron":
@@ -495,7 +467,7 @@ def _check_distillation(tp, cp, seed=3):
             assert neg_entropy is None, where
         loss.backward()
         expected_loss.backward()
-        expected_grad = _ref_shard(full_leaf.grad, cp_rank, cp, 1)[..., start : start + width]
+        expected_grad = ref_shard(full_leaf.grad, cp_rank, cp, 1)[..., start : start + width]
         torch.testing.assert_close(local.grad.double(), expected_grad, rtol=1e-5, atol=1e-5, msg=where)
 
 
@@ -503,7 +475,7 @@ def _check_edge_cases(tp, cp):
     """Empty input and ids that are never scored, under this grid's CP: S = 0 gives
     ``[B, 0]``; an empty packed row gives zeros; ``input_ids[..., 0]`` (in a packed row,
     each sequence's first token) may be anything, e.g. -1."""
-    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    _, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
 
     def plain(logits, ids, **options):
@@ -518,13 +490,13 @@ def _check_edge_cases(tp, cp):
         )
 
     # S = 0, with 2 (padding) positions on each rank.
-    logits = torch.randn(BATCH, 2, hi - lo, requires_grad=True)
-    ids = torch.zeros(BATCH, 0, dtype=torch.long)
+    logits = torch.randn(CP_BATCH, 2, hi - lo, requires_grad=True)
+    ids = torch.zeros(CP_BATCH, 0, dtype=torch.long)
     outs = (
         *plain(logits, ids, return_entropy=True),
         nemo.from_parallel_logits_to_logprobs(logits, ids, lo, hi, tp_group, cp_group=cp_group),
     )
-    assert all(out.shape == (BATCH, 0) for out in outs), [out.shape for out in outs]
+    assert all(out.shape == (CP_BATCH, 0) for out in outs), [out.shape for out in outs]
     sum(out.sum() for out in outs).backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
@@ -543,15 +515,15 @@ def _check_edge_cases(tp, cp):
 
     # Unscored ids: -1 where input_ids[..., 0] is (S = 2 * cp * 3 - 1 needs padding).
     gen = torch.Generator().manual_seed(5)
-    full_plain = torch.randn(BATCH, 6 * cp, VOCAB, generator=gen)
-    logits = _ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
-    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp - 1), generator=gen)
+    full_plain = torch.randn(CP_BATCH, 6 * cp, VOCAB, generator=gen)
+    logits = ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
+    ids = torch.randint(0, VOCAB, (CP_BATCH, 6 * cp - 1), generator=gen)
     ids_bad = ids.clone()
     ids_bad[:, 0] = -1
     assert torch.equal(plain(logits, ids_bad), plain(logits, ids))
     full, packed_ids, cu = _packed_layout((5, 0, 9, 1), cp, 5, torch.int64)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    logits = _ref_shard_packed(full, bounds, cp_rank, cp)[None, :, lo:hi]
+    logits = ref_shard_packed(full, bounds, cp_rank, cp)[None, :, lo:hi]
     ids_bad = packed_ids.clone()
     ids_bad[[s for s, e in bounds if e > s]] = -1
     logits = logits.float()
@@ -566,7 +538,7 @@ def _check_edge_cases(tp, cp):
         ),
         expected,
     )
-    logits = _ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
+    logits = ref_shard(full_plain, cp_rank, cp, 1)[..., lo:hi]
     assert torch.equal(
         nemo.from_parallel_logits_to_logprobs(
             logits, ids, np.int64(lo), np.int64(hi), tp_group, cp_group=cp_group,
@@ -635,15 +607,15 @@ def _check_uneven_vocab(tp):
         _check_dtensor(tp, 1, api, 12, None)
     # V = 9 over 4 ranks: 3, 3, 3, 0. Every rank must raise (before any collective), not
     # only the empty one while the others wait for it in the all-gather.
-    mesh, _, _, tp_rank, _ = _layout(tp, 1)
-    full = torch.randn(BATCH, 6, 9)
+    mesh, _, _, tp_rank, _ = cp_layout(tp, 1)
+    full = torch.randn(CP_BATCH, 6, 9)
     lo, hi = min(9, 3 * tp_rank), min(9, 3 * tp_rank + 3)
     logits = DTensor.from_local(
         full[..., lo:hi], mesh, [Replicate(), Shard(2)], run_check=False, shape=full.shape,
         stride=full.stride(),
     )
     assert dt_api.vocab_shard_bounds(logits) == (lo, hi)
-    ids = torch.randint(0, 9, (BATCH, 6))
+    ids = torch.randint(0, 9, (CP_BATCH, 6))
     messages = {}
     for api, call in (
         ("dtensor_logprobs", lambda: dt_api.dtensor_logprobs(logits, ids)),
@@ -677,7 +649,7 @@ def test_get_tokens_on_this_cp_rank(cp_size, chunk, lead, dim):
     x = torch.arange(lead * 2 * cp_size * chunk * 2).view(lead, -1, 2).movedim(1, dim)
     shards = [nemo._get_tokens_on_this_cp_rank(x, r, cp_size, dim) for r in range(cp_size)]
     for rank, shard in enumerate(shards):
-        assert torch.equal(shard, _ref_shard(x, rank, cp_size, dim))
+        assert torch.equal(shard, ref_shard(x, rank, cp_size, dim))
 
 
 def test_get_tokens_on_this_cp_rank_without_cp():
@@ -689,7 +661,7 @@ def test_get_tokens_on_this_cp_rank_without_cp():
         assert nemo._get_tokens_on_this_cp_rank(x, rank, np.int32(1), 0) is x
     y = torch.arange(24).view(2, 12)
     shard = nemo._get_tokens_on_this_cp_rank(y, np.int64(1), np.int64(3), np.int64(1))
-    assert torch.equal(shard, _ref_shard(y, 1, 3, 1))
+    assert torch.equal(shard, ref_shard(y, 1, 3, 1))
 
 
 def test_get_tokens_on_this_cp_rank_bad_input():
@@ -853,7 +825,7 @@ def test_empty_packed_row_gives_zeros():
 def _compile_checks(tp, cp):
     """fullgraph=True forward and backward matches eager, across 4 lengths with at most 2
     compiles per entry point (the second one dynamic)."""
-    _, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    _, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     torch._dynamo.reset()
 
@@ -885,14 +857,14 @@ def _compile_checks(tp, cp):
                 (seq,) = case
                 local_len = 2 * -(-seq // (2 * cp))
                 gen = torch.Generator().manual_seed(seed)
-                full = torch.randn(BATCH, local_len * cp, VOCAB, generator=gen)
-                leaf = _ref_shard(full, cp_rank, cp, 1)[..., lo:hi]
-                args = (torch.randint(0, VOCAB, (BATCH, seq), generator=gen),)
+                full = torch.randn(CP_BATCH, local_len * cp, VOCAB, generator=gen)
+                leaf = ref_shard(full, cp_rank, cp, 1)[..., lo:hi]
+                args = (torch.randint(0, VOCAB, (CP_BATCH, seq), generator=gen),)
             else:
                 lengths, max_seqlen = case
                 full, ids, cu = _packed_layout(lengths, cp, seed, torch.int32)
                 bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-                leaf = _ref_shard_packed(full, bounds, cp_rank, cp)[None, :, lo:hi].float()
+                leaf = ref_shard_packed(full, bounds, cp_rank, cp)[None, :, lo:hi].float()
                 args = (ids[None], cu, max_seqlen)
             eager_out, eager_grad = run(fn, leaf, *args)
             out, grad = run(compiled, leaf, *args)
@@ -906,12 +878,12 @@ def _compile_checks(tp, cp):
 def _pre_rolled_case(tp, cp, lengths=(3, 5)):
     """``(logits [1, T / C, V_local], this rank's pre-rolled targets [1, T / C], cu)`` of a
     packed row, for the drop-in's ``target_is_pre_rolled``."""
-    _, _, _, tp_rank, cp_rank = _layout(tp, cp)
+    _, _, _, tp_rank, cp_rank = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     full, ids, cu = _packed_layout(lengths, cp, 0, torch.int32)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    logits = _ref_shard_packed(full, bounds, cp_rank, cp)
-    rolled = _ref_shard_packed(_rolled_within(ids, bounds), bounds, cp_rank, cp)
+    logits = ref_shard_packed(full, bounds, cp_rank, cp)
+    rolled = ref_shard_packed(_rolled_within(ids, bounds), bounds, cp_rank, cp)
     return logits[None, :, lo:hi].float(), rolled[None], cu
 
 
@@ -919,13 +891,13 @@ def _compile_other_entry_points(tp, cp):
     """The DTensor entry points (Inductor), and the CP shard/gather, unshifted targets and
     pre-rolled packed targets (aot_eager, for speed) trace whole, forward and backward, and
     match eager; returns the DTensor entry's compile count."""
-    mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    mesh, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     torch._dynamo.reset()
     seq = 8
     gen = torch.Generator().manual_seed(0)
-    full = torch.randn(BATCH, seq, VOCAB, generator=gen)
-    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    full = torch.randn(CP_BATCH, seq, VOCAB, generator=gen)
+    ids = torch.randint(0, VOCAB, (CP_BATCH, seq), generator=gen)
     seq_index = torch.randperm(seq, generator=gen)
     target = distribute_tensor(ids[:, seq_index], mesh, [Shard(1), Replicate()])
 
@@ -970,7 +942,7 @@ def _compile_other_entry_points(tp, cp):
         (gather, "aot_eager", full),
         (unshifted, "aot_eager", local),
         (pre_rolled, "aot_eager", packed_logits),
-        (next_token, "aot_eager", _ref_shard(full, cp_rank, cp, 1)[..., lo:hi]),
+        (next_token, "aot_eager", ref_shard(full, cp_rank, cp, 1)[..., lo:hi]),
     ):
         results = []
         for run in (fn, torch.compile(fn, backend=backend, fullgraph=True)):
@@ -984,16 +956,16 @@ def _compile_other_entry_points(tp, cp):
 
 def _host_sync_checks(tp, cp):
     """Eager forward and backward of every entry point, under the host-sync dispatch check."""
-    mesh, tp_group, cp_group, tp_rank, _ = _layout(tp, cp)
+    mesh, tp_group, cp_group, tp_rank, _ = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     gen = torch.Generator().manual_seed(0)  # the same ids on every rank
-    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp), generator=gen)
+    ids = torch.randint(0, VOCAB, (CP_BATCH, 6 * cp), generator=gen)
     seq_index = torch.randperm(6 * cp, generator=gen)
-    logits = torch.randn(BATCH, 6, hi - lo, requires_grad=True)
+    logits = torch.randn(CP_BATCH, 6, hi - lo, requires_grad=True)
     full, packed_ids, cu = _packed_layout((3, 5), cp, 0, torch.int32)
     packed_logits = torch.randn(1, full.shape[0] // cp, hi - lo, requires_grad=True)
     dt_logits = distribute_tensor(
-        torch.randn(BATCH, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]
+        torch.randn(CP_BATCH, 6 * cp, VOCAB), mesh, [Shard(1), Shard(2)]
     ).requires_grad_()
     dt_ids = distribute_tensor(ids, mesh, [Shard(1), Replicate()])
     extras = dict(ignore_index=IGNORE, return_entropy=True)
@@ -1028,7 +1000,7 @@ def _host_sync_checks(tp, cp):
                 vocab_start=lo,
                 group=tp_group,
                 cp_group=cp_group,
-                temperature=torch.full((BATCH, 6 * cp - 2), 0.7),
+                temperature=torch.full((CP_BATCH, 6 * cp - 2), 0.7),
                 **extras,
             ),
             *packed_api.packed_context_parallel_logprobs(
@@ -1074,10 +1046,10 @@ class _Collectives(TorchDispatchMode):
 def _cp_collectives(tp, cp):
     """The CP collectives of the plain and the packed path: one all-gather forward and one
     reduce-scatter backward each (no all-reduce)."""
-    _, tp_group, cp_group, tp_rank, _ = _layout(tp, cp)
+    _, tp_group, cp_group, tp_rank, _ = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
-    logits = torch.randn(BATCH, 6, hi - lo, requires_grad=True)
-    ids = torch.randint(0, VOCAB, (BATCH, 6 * cp), generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(CP_BATCH, 6, hi - lo, requires_grad=True)
+    ids = torch.randint(0, VOCAB, (CP_BATCH, 6 * cp), generator=torch.Generator().manual_seed(0))
     full, packed_ids, cu = _packed_layout((3, 5, 2), cp, 0, torch.int64)
     packed_logits = torch.randn(1, full.shape[0] // cp, hi - lo, requires_grad=True)
     names = []
@@ -1117,7 +1089,7 @@ def test_no_host_syncs(gloo_pool):
 
 
 def _bad_input_messages(tp, cp):
-    mesh, tp_group, cp_group, tp_rank, _ = _layout(tp, cp)
+    mesh, tp_group, cp_group, tp_rank, _ = cp_layout(tp, cp)
     lo, hi = vocab_bounds(VOCAB, tp, tp_rank)
     logits = torch.randn(1, 6, hi - lo)
     ids = torch.randint(0, VOCAB, (1, 6 * cp))

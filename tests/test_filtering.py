@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import (
+    CP_BATCH,
     DTYPES,
     FP32_EPS,
     FP32_TINY,
@@ -27,12 +28,14 @@ from helpers import (
     SamplingParams,
     assert_within,
     check_sharded_property,
+    cp_layout,
     rank_and_size,
+    ref_shard,
+    ref_shard_packed,
     run_cases,
 )
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_context_parallel import BATCH, _layout, _ref_shard, _ref_shard_packed
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compiled_logprob as cl
@@ -361,16 +364,16 @@ def test_no_host_syncs(gloo_pool):
 def _check_context_parallel(tp: int, cp: int) -> None:
     """Plain and packed CP rows (and DTensor logits without CP) against the oracle, forward
     and backward, every entry point that takes top_k/top_p or sampling_params."""
-    mesh, tp_group, cp_group, tp_rank, cp_rank = _layout(tp, cp)
+    mesh, tp_group, cp_group, tp_rank, cp_rank = cp_layout(tp, cp)
     width, seq, top_k, top_p = 23, 13, 8, 0.8
     lo, hi = tp_rank * width, (tp_rank + 1) * width
     padded = -(-seq // (2 * cp)) * 2 * cp
     gen = torch.Generator().manual_seed(7)
-    full = 3 * torch.randn(BATCH, padded, tp * width, generator=gen, dtype=torch.float64)
-    ids = torch.randint(0, tp * width, (BATCH, seq), generator=gen)
+    full = 3 * torch.randn(CP_BATCH, padded, tp * width, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, tp * width, (CP_BATCH, seq), generator=gen)
     likely = full[:, : seq - 1].argmax(-1)
     ids[:, 1:] = torch.where(torch.rand(likely.shape, generator=gen) < 0.5, likely, ids[:, 1:])
-    upstream = torch.randn(BATCH, seq - 1, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(CP_BATCH, seq - 1, generator=gen, dtype=torch.float64)
 
     leaf = full.clone().requires_grad_()
     log_softmax, margin = oracle_filtered_log_softmax(leaf[:, : seq - 1], top_k, top_p)
@@ -382,7 +385,7 @@ def _check_context_parallel(tp: int, cp: int) -> None:
     bounds = [(0, padded), (padded, 2 * padded)]
 
     def packed_layout(x):  # [B, padded, *] -> this rank's [1, 2 · padded / cp, *]
-        return _ref_shard_packed(x.flatten(0, 1), bounds, cp_rank, cp).unsqueeze(0)
+        return ref_shard_packed(x.flatten(0, 1), bounds, cp_rank, cp).unsqueeze(0)
 
     packed_ids = torch.nn.functional.pad(ids, (0, padded - seq))
     cu = torch.tensor([0, padded, 2 * padded])
@@ -391,15 +394,15 @@ def _check_context_parallel(tp: int, cp: int) -> None:
             lambda x: cp_api.context_parallel_logprobs(
                 x, ids, vocab_start=lo, group=tp_group, cp_group=cp_group, chunk_size=3, **filters
             ),
-            _ref_shard(full, cp_rank, cp, 1),
-            lambda g: _ref_shard(g, cp_rank, cp, 1),
+            ref_shard(full, cp_rank, cp, 1),
+            lambda g: ref_shard(g, cp_rank, cp, 1),
         ),
         "from_parallel_logits_to_logprobs": (
             lambda x: cl.from_parallel_logits_to_logprobs(
                 x, ids, lo, hi, tp_group, False, cp_group, None, params
             ),
-            _ref_shard(full, cp_rank, cp, 1),
-            lambda g: _ref_shard(g, cp_rank, cp, 1),
+            ref_shard(full, cp_rank, cp, 1),
+            lambda g: ref_shard(g, cp_rank, cp, 1),
         ),
         "from_parallel_logits_to_logprobs_packed_sequences": (
             lambda x: cl.from_parallel_logits_to_logprobs_packed_sequences(
