@@ -56,9 +56,8 @@ def _on_device(ours, *, compiled: bool = False):
     return call
 
 
-def _check_on_device(monkeypatch, module, case, *, compiled: bool = False) -> None:
-    monkeypatch.setattr(module, "_ours", _on_device(module._ours, compiled=compiled))
-    module._check_case(case, None)
+def _check_on_device(module, case, *, compiled: bool = False) -> None:
+    module._check_case(case, None, run_ours=_on_device(module._ours, compiled=compiled))
 
 
 NUMERICS = [
@@ -92,18 +91,18 @@ FILTERING = [
 
 
 @pytest.mark.parametrize("case", NUMERICS, ids=str)
-def test_token_apis(monkeypatch, case):
-    _check_on_device(monkeypatch, numerics, case)
+def test_token_apis(case):
+    _check_on_device(numerics, case)
 
 
 @pytest.mark.parametrize("case", EXTRAS, ids=str)
-def test_extras(monkeypatch, case):
-    _check_on_device(monkeypatch, extras, case)
+def test_extras(case):
+    _check_on_device(extras, case)
 
 
 @pytest.mark.parametrize("case", FILTERING, ids=str)
-def test_filtering(monkeypatch, case):
-    _check_on_device(monkeypatch, filtering, case)
+def test_filtering(case):
+    _check_on_device(filtering, case)
 
 
 @pytest.mark.parametrize(
@@ -116,9 +115,9 @@ def test_filtering(monkeypatch, case):
     ],
     ids=["token_logprobs", "entropy", "topk", "filtered"],
 )
-def test_compiled(monkeypatch, module, case):
+def test_compiled(module, case):
     """``torch.compile(fullgraph=True)``: Inductor's device code (Triton on CUDA)."""
-    _check_on_device(monkeypatch, module, case, compiled=True)
+    _check_on_device(module, case, compiled=True)
 
 
 @pytest.mark.parametrize("case", [lm_head.CASES[0], lm_head.CASES[3]], ids=str)

@@ -14,7 +14,6 @@ dtype, so what is left is fp32 math on ``z = logits / temperature`` and the fina
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 import torch
@@ -202,8 +201,9 @@ def _entropy_outputs(case: Case) -> tuple[bool, ...]:
     return (case.api == "vocab_parallel_entropy",)
 
 
-def _check_case(case: Case, group) -> None:
-    """Forward and backward of ``case`` on this rank's shard against the float64 oracle."""
+def _check_case(case: Case, group, run_ours=_ours) -> None:
+    """Forward and backward of ``case`` on this rank's shard against the float64 oracle;
+    ``run_ours`` makes our call (:func:`_ours`, or it on another device or compiled)."""
     rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start, end = vocab_bounds(case.vocab, world, rank)
@@ -216,7 +216,7 @@ def _check_case(case: Case, group) -> None:
         for is_entropy in _entropy_outputs(case)
     ]
     ours, grad, ids = _value_and_grad(
-        lambda x: _ours(case, x, target, start, group, temperature), shard, upstreams
+        lambda x: run_ours(case, x, target, start, group, temperature), shard, upstreams
     )
     full = logits.double()
     if ids is not None:
@@ -422,8 +422,7 @@ def test_online_softmax_form(monkeypatch, case):
     """The statistics in the form Inductor's online softmax matches (taken on CUDA only,
     where it is Triton's), forced here and compiled on the CPU, against the oracle."""
     monkeypatch.setattr(stats, "uses_online_softmax", lambda logits: True)
-    monkeypatch.setattr(sys.modules[__name__], "_ours", compiled_per_case(_ours))
-    _check_case(case, None)
+    _check_case(case, None, run_ours=compiled_per_case(_ours))
 
 
 def test_online_softmax_form_of_empty_and_infinite_rows():

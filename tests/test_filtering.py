@@ -146,7 +146,9 @@ def _oracle(case: Case, full, target, temperature):
     return (out if case.ids else out.squeeze(-1)), settled
 
 
-def _check_case(case: Case, group) -> None:
+def _check_case(case: Case, group, run_ours=_ours) -> None:
+    """Forward and backward of ``case`` on this rank's slice against the float64 oracle;
+    ``run_ours`` makes our call (:func:`_ours`, or it on another device or compiled)."""
     rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start = rank * case.width
@@ -160,7 +162,7 @@ def _check_case(case: Case, group) -> None:
     upstream = torch.where(rows_mask, upstream, 0.0).float().double()
 
     shard = logits[..., start : start + case.width].detach().requires_grad_()
-    out = _ours(case, shard, target, start, group, temperature)
+    out = run_ours(case, shard, target, start, group, temperature)
     (grad,) = torch.autograd.grad(out, shard, upstream.float())
     leaf = full.clone().requires_grad_()
     ref, _ = _oracle(case, leaf, target, temperature)

@@ -134,8 +134,9 @@ def _value_and_grad(fn, leaf: torch.Tensor, upstream: torch.Tensor):
     return out.detach(), grad
 
 
-def _check_case(case: Case, group) -> None:
-    """Forward and backward of ``case`` on this rank's shard against the float64 oracle."""
+def _check_case(case: Case, group, run_ours=_ours) -> None:
+    """Forward and backward of ``case`` on this rank's shard against the float64 oracle;
+    ``run_ours`` makes our call (:func:`_ours`, or it on another device or compiled)."""
     rank, world = rank_and_size(group)
     where = f"{case} rank {rank}/{world}"
     start, end = vocab_bounds(case.vocab, world, rank)
@@ -146,7 +147,7 @@ def _check_case(case: Case, group) -> None:
 
     shard = logits[..., start:end]
     ours, grad = _value_and_grad(
-        lambda x: _ours(case, x, target, start, group, ignore_index), shard, local_upstream
+        lambda x: run_ours(case, x, target, start, group, ignore_index), shard, local_upstream
     )
     # The oracle's upstream gradient is ours exactly as the autograd engine saw it.
     upstream = upstream.to(ours.dtype).double()
@@ -182,7 +183,7 @@ def _check_case(case: Case, group) -> None:
         ref_grad = torch.where(ignored, 0.0, ref_grad)
         plain_target = torch.where(target == IGNORE, 0, target)
         plain, plain_grad = _value_and_grad(
-            lambda x: _ours(case, x, plain_target, start, group, None), shard, local_upstream
+            lambda x: run_ours(case, x, plain_target, start, group, None), shard, local_upstream
         )
         # Every other position is bitwise what it is without ignore_index.
         kept = target != IGNORE
