@@ -10,6 +10,11 @@ conftest fixtures, the package and third-party libraries, never one another.
   the load-balanced CP shard by chunk-and-concat (:func:`ref_shard`,
   :func:`ref_shard_packed`), independent of the library's index maps.
 * NeMo-RL's sampling parameters and the check of an error's message.
+* The oracle cases that ``test_device`` runs on a GPU as well as their own modules on the
+  CPU, each a case dataclass, our call (``*_ours``, which the device tests move) and the
+  check against the float64 oracle (``check_*_case(case, group, run_ours)``):
+  :class:`NumericsCase` (``test_tp_numerics``), :class:`ExtrasCase` (``test_extras``).
+  Test ids name every case class ``Case`` (:func:`case_id`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import compiled_logprob as cl
 from compiled_logprob.testing.multiprocess import property_in_lockstep
+from compiled_logprob.testing.reference import (
+    oracle_entropy,
+    oracle_log_softmax,
+    oracle_logprobs,
+    oracle_logsumexp,
+    oracle_topk,
+    vocab_bounds,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE = -100
@@ -171,3 +185,367 @@ def check_message(call, error: type[Exception], substrings: list[str]) -> None:
     message = str(raised.value)
     missing = [s for s in substrings if s not in message]
     assert not missing, f"message {message!r} lacks {missing}"
+
+
+def case_id(case) -> str:
+    """A case's test id: its fields as ``Case(field=value, ...)``, whatever its class (the
+    ids from when each test module named its own case class ``Case``)."""
+    fields = (f"{f.name}={getattr(case, f.name)!r}" for f in dataclasses.fields(case) if f.repr)
+    return f"Case({', '.join(fields)})"
+
+
+# ---------------------------------------------------------------------------------------
+# test_tp_numerics' cases: the log-prob, logsumexp and log-softmax entry points
+
+
+# Outputs [..., S] (replicated on every rank): one log-prob or logsumexp per position.
+TOKEN_APIS = ("token_logprobs", "DistributedLogprob", "ChunkedDistributedLogprob")
+ROW_APIS = (*TOKEN_APIS, "vocab_parallel_logsumexp")
+# Outputs [..., S, V_local] (sharded like the logits).
+SHARDED_APIS = ("vocab_parallel_log_softmax", "_compute_distributed_log_softmax")
+NUMERICS_APIS = ROW_APIS + SHARDED_APIS
+NUMERICS_CHUNKABLE = (
+    "token_logprobs",
+    "ChunkedDistributedLogprob",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_log_softmax",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsCase:
+    """One input: logits ``[*lead, seq, vocab]`` of ``dtype``, ``N(0, scale²)``, seeded."""
+
+    api: str = "token_logprobs"
+    lead: tuple[int, ...] = (2,)
+    seq: int = 13
+    vocab: int = 1003
+    dtype: str = "fp32"
+    scale: float = 1.0
+    chunk: int | None = None
+    ignore: bool = False  # ~30% of the targets (token_logprobs only) are IGNORE
+    special: str | None = None  # "inf_shard" | "nan_row"
+    seed: int = 0
+
+
+def numerics_inputs(case: NumericsCase, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full logits (in ``case.dtype``), targets and a float64 upstream gradient; identical on
+    every rank. ``world`` places the ``inf_shard`` block on the last rank's shard exactly."""
+    gen = torch.Generator().manual_seed(case.seed)
+    shape = (*case.lead, case.seq, case.vocab)
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64) * case.scale
+    logits = logits.to(DTYPES[case.dtype])
+    target = torch.randint(0, case.vocab, shape[:-1], generator=gen)
+    rows = logits.view(-1, case.vocab)
+    if case.special == "inf_shard":
+        parts = max(world, 2)
+        lo, hi = vocab_bounds(case.vocab, parts, parts - 1)
+        rows[::2, lo:hi] = float("-inf")  # every other row: a whole shard of -inf
+        rows[:, -1] = float("-inf")  # vocabulary padding, every row
+        target = target % lo  # real models never target padding
+    if case.special == "nan_row":
+        rows[rows.shape[0] // 2, case.vocab // 2] = float("nan")
+    if case.ignore:
+        target = torch.where(torch.rand(target.shape, generator=gen) < 0.3, IGNORE, target)
+        if case.special == "nan_row":  # an ignored NaN row must still give 0 and no gradient
+            target.view(-1)[rows.shape[0] // 2] = IGNORE
+    upstream_shape = shape if case.api in SHARDED_APIS else shape[:-1]
+    upstream = torch.randn(upstream_shape, generator=gen, dtype=torch.float64)
+    return logits, target, upstream
+
+
+def numerics_ours(case: NumericsCase, shard, target, start: int, group, ignore_index: int | None):
+    end = start + shard.shape[-1]
+    if case.api == "token_logprobs":
+        options = dict(group=group, chunk_size=case.chunk, ignore_index=ignore_index)
+        return cl.token_logprobs(shard, target, vocab_start=start, **options)
+    if case.api == "DistributedLogprob":
+        return cl.DistributedLogprob.apply(shard, target, start, end, group)
+    if case.api == "ChunkedDistributedLogprob":
+        return cl.ChunkedDistributedLogprob.apply(shard, target, start, end, case.chunk, group)
+    if case.api == "vocab_parallel_logsumexp":
+        return cl.vocab_parallel_logsumexp(shard, group=group, chunk_size=case.chunk)
+    if case.api == "vocab_parallel_log_softmax":
+        return cl.vocab_parallel_log_softmax(shard, group=group, chunk_size=case.chunk)
+    return cl._compute_distributed_log_softmax(shard, group)
+
+
+def _numerics_oracle(case: NumericsCase, full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if case.api in TOKEN_APIS:
+        return oracle_logprobs(full, target, IGNORE if case.ignore else None)
+    if case.api == "vocab_parallel_logsumexp":
+        return oracle_logsumexp(full)
+    return oracle_log_softmax(full)
+
+
+def _numerics_value_and_grad(fn, leaf: torch.Tensor, upstream: torch.Tensor):
+    leaf = leaf.detach().requires_grad_()
+    out = fn(leaf)
+    (grad,) = torch.autograd.grad(out, leaf, upstream.to(out.dtype))
+    return out.detach(), grad
+
+
+def check_numerics_case(case: NumericsCase, group, run_ours=numerics_ours) -> None:
+    """Forward and backward of ``case`` on this rank's shard against the float64 oracle;
+    ``run_ours`` makes our call (:func:`numerics_ours`, or it on another device or compiled)."""
+    rank, world = rank_and_size(group)
+    where = f"{case} rank {rank}/{world}"
+    start, end = vocab_bounds(case.vocab, world, rank)
+    logits, target, upstream = numerics_inputs(case, world)
+    sharded = case.api in SHARDED_APIS
+    local_upstream = upstream[..., start:end] if sharded else upstream
+    ignore_index = IGNORE if case.ignore else None
+
+    shard = logits[..., start:end]
+    ours, grad = _numerics_value_and_grad(
+        lambda x: run_ours(case, x, target, start, group, ignore_index), shard, local_upstream
+    )
+    # The oracle's upstream gradient is ours exactly as the autograd engine saw it.
+    upstream = upstream.to(ours.dtype).double()
+    ref, ref_grad = _numerics_value_and_grad(lambda x: _numerics_oracle(case, x, target), logits.double(), upstream)
+    if sharded:
+        ref = ref[..., start:end]
+    ref_grad = ref_grad[..., start:end]
+
+    # delta: absolute error of an fp32 logsumexp-type value (lse, log-prob, log-softmax) of
+    # these logits. Subtracting the max and adding it back each cost ~1 ulp of |logits|max;
+    # the sum of exps and its log cost ~log2(V) ulp of O(1) values. 1e-5 is ~80 fp32 ulps of
+    # max(1, |logits|max), room for all of that plus the cross-rank combine.
+    finite = torch.where(logits.isfinite(), logits.double().abs(), 0.0)
+    delta = 1e-5 * max(1.0, finite.max().item())
+    # Results are rounded into their dtype last: allow one ulp of it relative to the value
+    # (the fp32 error can push a value across a rounding boundary).
+    out_eps = torch.finfo(ours.dtype).eps
+    assert_within(ours, ref, delta + out_eps * ref.abs(), f"{where} forward")
+
+    # Gradients are g_lse * softmax + g_target * onehot. softmax = exp(z - lse) inherits
+    # delta as a relative error, so each element's error is at most delta times the row's
+    # upstream weight: |g| for per-row outputs, sum |G| over the vocabulary for log-softmax
+    # (whose lse gradient is -sum G). Then one ulp of the gradient's dtype for the final
+    # rounding, and half a subnormal step where that rounding flushes a tiny gradient.
+    weight = upstream.abs().sum(-1, keepdim=True) if sharded else upstream.abs().unsqueeze(-1)
+    info = torch.finfo(grad.dtype)
+    grad_bound = delta * weight + info.eps * ref_grad.abs() + info.smallest_normal * info.eps / 2
+    if case.ignore:
+        ignored = (target == IGNORE).unsqueeze(-1)
+        assert (ours.masked_select(ignored.squeeze(-1)) == 0).all(), f"{where}: log-prob not 0"
+        assert (grad.masked_select(ignored) == 0).all(), f"{where}: gradient not 0 where ignored"
+        # The oracle's gradient of a NaN row is NaN even where ignored; ours is exactly 0.
+        ref_grad = torch.where(ignored, 0.0, ref_grad)
+        plain_target = torch.where(target == IGNORE, 0, target)
+        plain, plain_grad = _numerics_value_and_grad(
+            lambda x: run_ours(case, x, plain_target, start, group, None), shard, local_upstream
+        )
+        # Every other position is bitwise what it is without ignore_index.
+        kept = target != IGNORE
+        assert torch.equal(ours[kept], plain[kept]), f"{where}: ignore_index changed log-probs"
+        assert torch.equal(grad[kept], plain_grad[kept]), f"{where}: ignore_index changed grads"
+    assert_within(grad, ref_grad, grad_bound, f"{where} gradient")
+
+
+# ---------------------------------------------------------------------------------------
+# test_extras' cases: temperature, entropy, K ids per position and the global top-k
+
+
+EXTRAS_APIS = (
+    "token_logprobs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_topk",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtrasCase(NumericsCase):
+    """:class:`NumericsCase` (logits, ids, ``ignore``, ``special="inf_shard"``) and the
+    extras' options; ``api`` is one of :data:`EXTRAS_APIS`."""
+
+    temperature: str | None = None  # 0.7 ("float"), per row [*lead, 1], per position [*lead, S]
+    k: int = 0  # token_logprobs: K ids per position (target [..., S, K]); topk: k
+    entropy: bool = False  # token_logprobs: return_entropy
+
+
+def _extras_temperature(case: ExtrasCase, gen: torch.Generator) -> float | torch.Tensor:
+    if case.temperature == "float":
+        return 0.7
+    if case.temperature == "row":
+        rows = (*case.lead, 1)
+        return torch.linspace(0.5, 2.0, torch.Size(rows).numel()).view(rows)
+    if case.temperature == "position":
+        return 0.5 + 1.5 * torch.rand((*case.lead, case.seq), generator=gen)
+    return 1.0
+
+
+def _extras_inputs(case: ExtrasCase, world: int):
+    """Full logits (in ``case.dtype``), ids and temperature, identical on every rank: those of
+    :func:`numerics_inputs` and, for K ids, K - 1 more ids per position (the first repeated)."""
+    logits, target, _ = numerics_inputs(case, world)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    if case.api == "token_logprobs" and case.k:
+        extra = torch.randint(0, case.vocab, (*target.shape, case.k - 1), generator=gen)
+        if case.special == "inf_shard":  # ids below the -inf shard, as the first one
+            parts = max(world, 2)
+            extra = extra % vocab_bounds(case.vocab, parts, parts - 1)[0]
+        if case.ignore:
+            extra = torch.where(torch.rand(extra.shape, generator=gen) < 0.3, IGNORE, extra)
+        target = torch.cat([target.unsqueeze(-1), extra], -1)
+        if case.k > 1:
+            target[..., 1] = target[..., 0]  # a repeated id: its gradients add up
+        if case.ignore:
+            target.view(-1, case.k)[0] = IGNORE  # a position whose every id is ignored
+    return logits, target, _extras_temperature(case, gen)
+
+
+def extras_ours(case: ExtrasCase, shard, target, start: int, group, temperature) -> tuple:
+    """Our outputs (fp32, differentiable) and, for top-k, the ids."""
+    options = dict(group=group, chunk_size=case.chunk, temperature=temperature)
+    if case.api == "token_logprobs":
+        out = cl.token_logprobs(
+            shard,
+            target,
+            vocab_start=start,
+            ignore_index=IGNORE if case.ignore else None,
+            return_entropy=case.entropy,
+            **options,
+        )
+        return (out if case.entropy else (out,)), None
+    if case.api == "vocab_parallel_entropy":
+        return (cl.vocab_parallel_entropy(shard, **options),), None
+    if case.api == "vocab_parallel_logsumexp":
+        return (cl.vocab_parallel_logsumexp(shard, **options),), None
+    logprobs, ids = cl.vocab_parallel_topk(shard, case.k, vocab_start=start, **options)
+    return (logprobs,), ids
+
+
+def _extras_ignored_rows(case: ExtrasCase, target: torch.Tensor) -> torch.Tensor:
+    """``[..., S]``: positions whose every id is ignored (their entropy is 0, gradient 0)."""
+    ignored = target == IGNORE
+    return ignored.all(-1) if case.k else ignored
+
+
+def _extras_oracle(case: ExtrasCase, full, target, temperature, ids) -> tuple:
+    if case.api == "token_logprobs":
+        logprobs = oracle_logprobs(full, target, IGNORE if case.ignore else None, temperature)
+        if not case.entropy:
+            return (logprobs,)
+        entropy = oracle_entropy(full, temperature)
+        if case.ignore:
+            entropy = torch.where(_extras_ignored_rows(case, target), 0.0, entropy)
+        return logprobs, entropy
+    if case.api == "vocab_parallel_entropy":
+        return (oracle_entropy(full, temperature),)
+    if case.api == "vocab_parallel_logsumexp":
+        return (oracle_logsumexp(full, temperature),)
+    # Our ids, checked to be a top-k of the oracle's in _check_topk_ids (ties included).
+    return (oracle_log_softmax(full, temperature).gather(-1, ids),)
+
+
+def _extras_value_and_grad(fn, leaf: torch.Tensor, upstreams):
+    leaf = leaf.detach().requires_grad_()
+    outs, extra = fn(leaf)
+    (grad,) = torch.autograd.grad(outs, leaf, [u.to(o.dtype) for u, o in zip(upstreams, outs)])
+    return [out.detach() for out in outs], grad, extra
+
+
+def _check_topk_ids(case: ExtrasCase, ids, full, temperature, where: str) -> None:
+    """Our ids are distinct and the oracle's log-probs at them are its top-k values, in order:
+    they are the oracle's ids wherever the top-k has no ties (bf16 rounding makes ties)."""
+    values, oracle_ids = oracle_topk(full, case.k, temperature)
+    assert ids.dtype == torch.int64 and ids.shape == values.shape, (where, ids.shape)
+    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), f"{where}: repeated top-k ids"
+    at_ids = oracle_log_softmax(full, temperature).gather(-1, ids)
+    assert torch.equal(at_ids, values), f"{where}: top-k ids are not the oracle's top-k"
+    if case.dtype == "fp32" and case.special is None:  # randn in fp32: no ties
+        assert torch.equal(ids, oracle_ids), f"{where}: top-k ids differ from the oracle's"
+
+
+def _extras_grad_bound(case, full, temperature, upstreams, ref_grad, delta, dtype) -> torch.Tensor:
+    """Elementwise bound on our logits gradient's error.
+
+    In ``z`` the gradient is ``Σ_k g_k (onehot_k − p) + g_lse p − g_H p (z − E[z])``.
+    ``p = exp(z − lse)`` carries ``lse``'s error ``delta`` as a relative error, and ``z − E[z]``
+    carries ``E[z] = lse − H``'s error ``delta``; so the error is at most
+    ``delta · p · (Σ|g_k| + |g_lse| + |g_H| (3 + |z − E[z]|))`` (3: the two errors and the
+    rounding of ``1 + z − E[z]``), plus one fp32 subnormal step of ``p`` times the same
+    weight where the exponential underflows gradually: it is accurate to 1 ulp (Sleef's
+    u10), not correctly rounded (``|z − E[z]|`` amplifies that by up to ``|z|``).
+    Then ``dz/dlogits = 1 / temperature``, and four roundings relative to the result: the
+    one-hot sum, adding it, dividing by the temperature (fp32) and into the gradient's dtype
+    (plus half a subnormal step of the dtype where that flushes).
+    """
+    with torch.no_grad():
+        log_softmax = oracle_log_softmax(full, temperature)
+        probs = log_softmax.exp()
+        z = log_softmax + oracle_logsumexp(full, temperature).unsqueeze(-1)
+        mean = (probs * torch.where(probs > 0, z, 0.0)).sum(-1, keepdim=True)
+        row_weight = torch.zeros(probs.shape[:-1], dtype=torch.float64)
+        entropy_weight = torch.zeros_like(row_weight)
+        for g, is_entropy in zip(upstreams, _entropy_outputs(case)):
+            if is_entropy:
+                entropy_weight += g.abs()
+            else:
+                row_weight += g.abs() if g.shape == row_weight.shape else g.abs().sum(-1)
+        centred = torch.where(probs > 0, z - mean, 0.0).abs()
+        weight = row_weight.unsqueeze(-1) + entropy_weight.unsqueeze(-1) * (3 + centred)
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.double().unsqueeze(-1)
+        info = torch.finfo(dtype)
+        rounding = (info.eps + 2 * FP32_EPS) * ref_grad.abs() + info.smallest_normal * info.eps / 2
+        underflow = FP32_TINY
+        return (delta * probs + underflow) * weight / temperature + rounding
+
+
+def _entropy_outputs(case: ExtrasCase) -> tuple[bool, ...]:
+    """Which outputs are entropies."""
+    if case.api == "token_logprobs":
+        return (False, True) if case.entropy else (False,)
+    return (case.api == "vocab_parallel_entropy",)
+
+
+def check_extras_case(case: ExtrasCase, group, run_ours=extras_ours) -> None:
+    """Forward and backward of ``case`` on this rank's shard against the float64 oracle;
+    ``run_ours`` makes our call (:func:`extras_ours`, or it on another device or compiled)."""
+    rank, world = rank_and_size(group)
+    where = f"{case} rank {rank}/{world}"
+    start, end = vocab_bounds(case.vocab, world, rank)
+    logits, target, temperature = _extras_inputs(case, world)
+    shard = logits[..., start:end]
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    out_shape = (*logits.shape[:-1], case.k) if case.k else logits.shape[:-1]
+    upstreams = [
+        torch.randn(out_shape if not is_entropy else logits.shape[:-1], generator=gen, dtype=torch.float64)
+        for is_entropy in _entropy_outputs(case)
+    ]
+    ours, grad, ids = _extras_value_and_grad(
+        lambda x: run_ours(case, x, target, start, group, temperature), shard, upstreams
+    )
+    full = logits.double()
+    if ids is not None:
+        _check_topk_ids(case, ids, full, temperature, where)
+    upstreams = [u.float().double() for u in upstreams]  # as the autograd engine saw them
+    refs, ref_grad, _ = _extras_value_and_grad(
+        lambda x: (_extras_oracle(case, x, target, temperature, ids), None), full, upstreams
+    )
+
+    # delta: absolute error of an fp32 logsumexp-type value of z (as in check_numerics_case):
+    # ~80 ulps of max(1, |z|max). The entropy is lse − E[z] with E[z] = lse − Σ_r w_r(H_r −
+    # log w_r) summed from non-negative terms, so it carries the same delta: its rounding
+    # scales with |z| (two fp32 roundings of lse-sized values), not with |z|².
+    z = full / (temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature)
+    delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
+    for out, ref, is_entropy in zip(ours, refs, _entropy_outputs(case)):
+        assert out.dtype == torch.float32 and out.shape == ref.shape, (where, out.shape, ref.shape)
+        assert_within(out, ref, delta + FP32_EPS * ref.abs(), f"{where} output")
+        # lse − fl(lse − H) >= 0 exactly for H >= 0: rounding never makes an entropy negative.
+        assert not is_entropy or ((out >= 0) | out.isnan()).all(), f"{where}: negative entropy"
+    if case.ignore:
+        ignored_rows = _extras_ignored_rows(case, target)
+        assert (ours[0].masked_select(target == IGNORE) == 0).all(), f"{where}: log-prob not 0"
+        if case.entropy:
+            assert (ours[1].masked_select(ignored_rows) == 0).all(), f"{where}: entropy not 0"
+        assert (grad.masked_select(ignored_rows.unsqueeze(-1)) == 0).all(), f"{where}: gradient"
+    if case.ignore:  # no gradient there, checked above, even where the oracle's is NaN
+        ref_grad = torch.where(_extras_ignored_rows(case, target).unsqueeze(-1), 0.0, ref_grad)
+    bound = _extras_grad_bound(case, full, temperature, upstreams, ref_grad, delta, grad.dtype)
+    mine = slice(start, end)
+    assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")

@@ -20,12 +20,21 @@ import subprocess
 import sys
 
 import pytest
-import test_extras as extras
 import test_filtering as filtering
 import test_lm_head as lm_head
-import test_tp_numerics as numerics
 import torch
-from helpers import compiled_per_case
+from helpers import (
+    NUMERICS_APIS,
+    NUMERICS_CHUNKABLE,
+    ExtrasCase,
+    NumericsCase,
+    case_id,
+    check_extras_case,
+    check_numerics_case,
+    compiled_per_case,
+    extras_ours,
+    numerics_ours,
+)
 from torch.utils._pytree import tree_map
 
 import compiled_logprob as cl
@@ -44,7 +53,7 @@ def _to(device: str, tree):
 
 
 def _on_device(ours, *, compiled: bool = False):
-    """A test module's ``_ours(case, shard, target, start, group, option)`` run on
+    """A case family's ``ours(case, shard, target, start, group, option)`` run on
     :data:`DEVICE` (compiled with ``fullgraph=True`` when asked), its outputs back on the CPU."""
 
     run = compiled_per_case(ours) if compiled else ours
@@ -56,27 +65,27 @@ def _on_device(ours, *, compiled: bool = False):
     return call
 
 
-def _check_on_device(module, case, *, compiled: bool = False) -> None:
-    module._check_case(case, None, run_ours=_on_device(module._ours, compiled=compiled))
+def _check_on_device(check_case, ours, case, *, compiled: bool = False) -> None:
+    check_case(case, None, run_ours=_on_device(ours, compiled=compiled))
 
 
 NUMERICS = [
-    *(numerics.Case(api=api) for api in numerics.APIS),
-    *(numerics.Case(api=api, dtype="bf16", chunk=6, seed=1) for api in numerics.CHUNKABLE),
-    numerics.Case(dtype="fp16", lead=(1,), seed=2),
-    numerics.Case(scale=1000.0, ignore=True, seed=3),
-    numerics.Case(special="inf_shard", chunk=5, seed=4),
-    numerics.Case(special="nan_row", ignore=True, seed=5),
-    numerics.Case(lead=(2, 3), seq=1, vocab=7, seed=6),
+    *(NumericsCase(api=api) for api in NUMERICS_APIS),
+    *(NumericsCase(api=api, dtype="bf16", chunk=6, seed=1) for api in NUMERICS_CHUNKABLE),
+    NumericsCase(dtype="fp16", lead=(1,), seed=2),
+    NumericsCase(scale=1000.0, ignore=True, seed=3),
+    NumericsCase(special="inf_shard", chunk=5, seed=4),
+    NumericsCase(special="nan_row", ignore=True, seed=5),
+    NumericsCase(lead=(2, 3), seq=1, vocab=7, seed=6),
 ]
 EXTRAS = [
-    extras.Case(temperature="float", entropy=True, seed=10),
-    extras.Case(temperature="position", entropy=True, ignore=True, dtype="bf16", seed=11),
-    extras.Case(k=4, ignore=True, temperature="row", seed=12),
-    extras.Case(api="vocab_parallel_topk", k=5, temperature="float", seed=13),
-    extras.Case(api="vocab_parallel_topk", k=3, dtype="bf16", special="inf_shard", seed=14),
-    extras.Case(api="vocab_parallel_entropy", chunk=4, special="inf_shard", seed=15),
-    extras.Case(api="vocab_parallel_logsumexp", temperature="position", seed=16),
+    ExtrasCase(temperature="float", entropy=True, seed=10),
+    ExtrasCase(temperature="position", entropy=True, ignore=True, dtype="bf16", seed=11),
+    ExtrasCase(k=4, ignore=True, temperature="row", seed=12),
+    ExtrasCase(api="vocab_parallel_topk", k=5, temperature="float", seed=13),
+    ExtrasCase(api="vocab_parallel_topk", k=3, dtype="bf16", special="inf_shard", seed=14),
+    ExtrasCase(api="vocab_parallel_entropy", chunk=4, special="inf_shard", seed=15),
+    ExtrasCase(api="vocab_parallel_logsumexp", temperature="position", seed=16),
 ]
 FILTERING = [
     filtering.Case(top_k=20, seed=20),
@@ -90,34 +99,39 @@ FILTERING = [
 ]
 
 
-@pytest.mark.parametrize("case", NUMERICS, ids=str)
+@pytest.mark.parametrize("case", NUMERICS, ids=case_id)
 def test_token_apis(case):
-    _check_on_device(numerics, case)
+    _check_on_device(check_numerics_case, numerics_ours, case)
 
 
-@pytest.mark.parametrize("case", EXTRAS, ids=str)
+@pytest.mark.parametrize("case", EXTRAS, ids=case_id)
 def test_extras(case):
-    _check_on_device(extras, case)
+    _check_on_device(check_extras_case, extras_ours, case)
 
 
 @pytest.mark.parametrize("case", FILTERING, ids=str)
 def test_filtering(case):
-    _check_on_device(filtering, case)
+    _check_on_device(filtering._check_case, filtering._ours, case)
+
+
+NUMERICS_FAMILY = (check_numerics_case, numerics_ours)
+EXTRAS_FAMILY = (check_extras_case, extras_ours)
+FILTER_FAMILY = (filtering._check_case, filtering._ours)
 
 
 @pytest.mark.parametrize(
-    ("module", "case"),
+    ("family", "case"),
     [
-        (numerics, numerics.Case(dtype="bf16", special="inf_shard")),
-        (extras, extras.Case(temperature="position", entropy=True, ignore=True)),
-        (extras, extras.Case(api="vocab_parallel_topk", k=5)),
-        (filtering, filtering.Case(top_k=10, top_p=0.8, temperature="row")),
+        (NUMERICS_FAMILY, NumericsCase(dtype="bf16", special="inf_shard")),
+        (EXTRAS_FAMILY, ExtrasCase(temperature="position", entropy=True, ignore=True)),
+        (EXTRAS_FAMILY, ExtrasCase(api="vocab_parallel_topk", k=5)),
+        (FILTER_FAMILY, filtering.Case(top_k=10, top_p=0.8, temperature="row")),
     ],
     ids=["token_logprobs", "entropy", "topk", "filtered"],
 )
-def test_compiled(module, case):
+def test_compiled(family, case):
     """``torch.compile(fullgraph=True)``: Inductor's device code (Triton on CUDA)."""
-    _check_on_device(module, case, compiled=True)
+    _check_on_device(*family, case, compiled=True)
 
 
 @pytest.mark.parametrize("case", [lm_head.CASES[0], lm_head.CASES[3]], ids=str)

@@ -7,8 +7,9 @@ Like ``test_tp_numerics``: every rank builds the same full logits from one seed,
 which divides by the temperature in float64), sliced at its vocabulary range. TP = 1 runs in
 this process with ``group=None``; TP = 2 and 3 on the session's gloo pools.
 
-Tolerances (derived in ``_check_case``): the oracle sees the logits already rounded to their
-dtype, so what is left is fp32 math on ``z = logits / temperature`` and the final rounding.
+Tolerances (derived in ``helpers.check_extras_case``): the oracle sees the logits already
+rounded to their dtype, so what is left is fp32 math on ``z = logits / temperature`` and the
+final rounding.
 """
 
 from __future__ import annotations
@@ -18,236 +19,29 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-import test_tp_numerics as numerics
 from helpers import (
     DTYPES,
+    EXTRAS_APIS,
     FP32_EPS,
-    FP32_TINY,
     IGNORE,
-    assert_within,
+    case_id,
+    check_extras_case,
     check_sharded_property,
     compiled_per_case,
+    extras_ours,
     rank_and_size,
     run_cases,
 )
+from helpers import ExtrasCase as Case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
 from compiled_logprob._math import kernels, stats, topk
-from compiled_logprob.testing.reference import (
-    oracle_entropy,
-    oracle_log_softmax,
-    oracle_logprobs,
-    oracle_logsumexp,
-    oracle_topk,
-    vocab_bounds,
-)
+from compiled_logprob.testing.reference import oracle_log_softmax, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
-APIS = (
-    "token_logprobs",
-    "vocab_parallel_entropy",
-    "vocab_parallel_logsumexp",
-    "vocab_parallel_topk",
-)
 TEMPERATURES = (None, "float", "row", "position")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case(numerics.Case):
-    """``test_tp_numerics``' case (logits, ids, ``ignore``, ``special="inf_shard"``) and the
-    extras' options; ``api`` is one of :data:`APIS`."""
-
-    temperature: str | None = None  # 0.7 ("float"), per row [*lead, 1], per position [*lead, S]
-    k: int = 0  # token_logprobs: K ids per position (target [..., S, K]); topk: k
-    entropy: bool = False  # token_logprobs: return_entropy
-
-
-def _temperature(case: Case, gen: torch.Generator) -> float | torch.Tensor:
-    if case.temperature == "float":
-        return 0.7
-    if case.temperature == "row":
-        rows = (*case.lead, 1)
-        return torch.linspace(0.5, 2.0, torch.Size(rows).numel()).view(rows)
-    if case.temperature == "position":
-        return 0.5 + 1.5 * torch.rand((*case.lead, case.seq), generator=gen)
-    return 1.0
-
-
-def _inputs(case: Case, world: int):
-    """Full logits (in ``case.dtype``), ids and temperature, identical on every rank: those of
-    ``test_tp_numerics`` and, for K ids, K - 1 more ids per position (the first repeated)."""
-    logits, target, _ = numerics._inputs(case, world)
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    if case.api == "token_logprobs" and case.k:
-        extra = torch.randint(0, case.vocab, (*target.shape, case.k - 1), generator=gen)
-        if case.special == "inf_shard":  # ids below the -inf shard, as the first one
-            parts = max(world, 2)
-            extra = extra % vocab_bounds(case.vocab, parts, parts - 1)[0]
-        if case.ignore:
-            extra = torch.where(torch.rand(extra.shape, generator=gen) < 0.3, IGNORE, extra)
-        target = torch.cat([target.unsqueeze(-1), extra], -1)
-        if case.k > 1:
-            target[..., 1] = target[..., 0]  # a repeated id: its gradients add up
-        if case.ignore:
-            target.view(-1, case.k)[0] = IGNORE  # a position whose every id is ignored
-    return logits, target, _temperature(case, gen)
-
-
-def _ours(case: Case, shard, target, start: int, group, temperature) -> tuple:
-    """Our outputs (fp32, differentiable) and, for top-k, the ids."""
-    options = dict(group=group, chunk_size=case.chunk, temperature=temperature)
-    if case.api == "token_logprobs":
-        out = cl.token_logprobs(
-            shard,
-            target,
-            vocab_start=start,
-            ignore_index=IGNORE if case.ignore else None,
-            return_entropy=case.entropy,
-            **options,
-        )
-        return (out if case.entropy else (out,)), None
-    if case.api == "vocab_parallel_entropy":
-        return (cl.vocab_parallel_entropy(shard, **options),), None
-    if case.api == "vocab_parallel_logsumexp":
-        return (cl.vocab_parallel_logsumexp(shard, **options),), None
-    logprobs, ids = cl.vocab_parallel_topk(shard, case.k, vocab_start=start, **options)
-    return (logprobs,), ids
-
-
-def _ignored_rows(case: Case, target: torch.Tensor) -> torch.Tensor:
-    """``[..., S]``: positions whose every id is ignored (their entropy is 0, gradient 0)."""
-    ignored = target == IGNORE
-    return ignored.all(-1) if case.k else ignored
-
-
-def _oracle(case: Case, full, target, temperature, ids) -> tuple:
-    if case.api == "token_logprobs":
-        logprobs = oracle_logprobs(full, target, IGNORE if case.ignore else None, temperature)
-        if not case.entropy:
-            return (logprobs,)
-        entropy = oracle_entropy(full, temperature)
-        if case.ignore:
-            entropy = torch.where(_ignored_rows(case, target), 0.0, entropy)
-        return logprobs, entropy
-    if case.api == "vocab_parallel_entropy":
-        return (oracle_entropy(full, temperature),)
-    if case.api == "vocab_parallel_logsumexp":
-        return (oracle_logsumexp(full, temperature),)
-    # Our ids, checked to be a top-k of the oracle's in _check_topk_ids (ties included).
-    return (oracle_log_softmax(full, temperature).gather(-1, ids),)
-
-
-def _value_and_grad(fn, leaf: torch.Tensor, upstreams):
-    leaf = leaf.detach().requires_grad_()
-    outs, extra = fn(leaf)
-    (grad,) = torch.autograd.grad(outs, leaf, [u.to(o.dtype) for u, o in zip(upstreams, outs)])
-    return [out.detach() for out in outs], grad, extra
-
-
-def _check_topk_ids(case: Case, ids, full, temperature, where: str) -> None:
-    """Our ids are distinct and the oracle's log-probs at them are its top-k values, in order:
-    they are the oracle's ids wherever the top-k has no ties (bf16 rounding makes ties)."""
-    values, oracle_ids = oracle_topk(full, case.k, temperature)
-    assert ids.dtype == torch.int64 and ids.shape == values.shape, (where, ids.shape)
-    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), f"{where}: repeated top-k ids"
-    at_ids = oracle_log_softmax(full, temperature).gather(-1, ids)
-    assert torch.equal(at_ids, values), f"{where}: top-k ids are not the oracle's top-k"
-    if case.dtype == "fp32" and case.special is None:  # randn in fp32: no ties
-        assert torch.equal(ids, oracle_ids), f"{where}: top-k ids differ from the oracle's"
-
-
-def _grad_bound(case, full, temperature, upstreams, ref_grad, delta, dtype) -> torch.Tensor:
-    """Elementwise bound on our logits gradient's error.
-
-    In ``z`` the gradient is ``Σ_k g_k (onehot_k − p) + g_lse p − g_H p (z − E[z])``.
-    ``p = exp(z − lse)`` carries ``lse``'s error ``delta`` as a relative error, and ``z − E[z]``
-    carries ``E[z] = lse − H``'s error ``delta``; so the error is at most
-    ``delta · p · (Σ|g_k| + |g_lse| + |g_H| (3 + |z − E[z]|))`` (3: the two errors and the
-    rounding of ``1 + z − E[z]``), plus one fp32 subnormal step of ``p`` times the same
-    weight where the exponential underflows gradually: it is accurate to 1 ulp (Sleef's
-    u10), not correctly rounded (``|z − E[z]|`` amplifies that by up to ``|z|``).
-    Then ``dz/dlogits = 1 / temperature``, and four roundings relative to the result: the
-    one-hot sum, adding it, dividing by the temperature (fp32) and into the gradient's dtype
-    (plus half a subnormal step of the dtype where that flushes).
-    """
-    with torch.no_grad():
-        log_softmax = oracle_log_softmax(full, temperature)
-        probs = log_softmax.exp()
-        z = log_softmax + oracle_logsumexp(full, temperature).unsqueeze(-1)
-        mean = (probs * torch.where(probs > 0, z, 0.0)).sum(-1, keepdim=True)
-        row_weight = torch.zeros(probs.shape[:-1], dtype=torch.float64)
-        entropy_weight = torch.zeros_like(row_weight)
-        for g, is_entropy in zip(upstreams, _entropy_outputs(case)):
-            if is_entropy:
-                entropy_weight += g.abs()
-            else:
-                row_weight += g.abs() if g.shape == row_weight.shape else g.abs().sum(-1)
-        centred = torch.where(probs > 0, z - mean, 0.0).abs()
-        weight = row_weight.unsqueeze(-1) + entropy_weight.unsqueeze(-1) * (3 + centred)
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature.double().unsqueeze(-1)
-        info = torch.finfo(dtype)
-        rounding = (info.eps + 2 * FP32_EPS) * ref_grad.abs() + info.smallest_normal * info.eps / 2
-        underflow = FP32_TINY
-        return (delta * probs + underflow) * weight / temperature + rounding
-
-
-def _entropy_outputs(case: Case) -> tuple[bool, ...]:
-    """Which outputs are entropies."""
-    if case.api == "token_logprobs":
-        return (False, True) if case.entropy else (False,)
-    return (case.api == "vocab_parallel_entropy",)
-
-
-def _check_case(case: Case, group, run_ours=_ours) -> None:
-    """Forward and backward of ``case`` on this rank's shard against the float64 oracle;
-    ``run_ours`` makes our call (:func:`_ours`, or it on another device or compiled)."""
-    rank, world = rank_and_size(group)
-    where = f"{case} rank {rank}/{world}"
-    start, end = vocab_bounds(case.vocab, world, rank)
-    logits, target, temperature = _inputs(case, world)
-    shard = logits[..., start:end]
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    out_shape = (*logits.shape[:-1], case.k) if case.k else logits.shape[:-1]
-    upstreams = [
-        torch.randn(out_shape if not is_entropy else logits.shape[:-1], generator=gen, dtype=torch.float64)
-        for is_entropy in _entropy_outputs(case)
-    ]
-    ours, grad, ids = _value_and_grad(
-        lambda x: run_ours(case, x, target, start, group, temperature), shard, upstreams
-    )
-    full = logits.double()
-    if ids is not None:
-        _check_topk_ids(case, ids, full, temperature, where)
-    upstreams = [u.float().double() for u in upstreams]  # as the autograd engine saw them
-    refs, ref_grad, _ = _value_and_grad(
-        lambda x: (_oracle(case, x, target, temperature, ids), None), full, upstreams
-    )
-
-    # delta: absolute error of an fp32 logsumexp-type value of z (as in test_tp_numerics):
-    # ~80 ulps of max(1, |z|max). The entropy is lse − E[z] with E[z] = lse − Σ_r w_r(H_r −
-    # log w_r) summed from non-negative terms, so it carries the same delta: its rounding
-    # scales with |z| (two fp32 roundings of lse-sized values), not with |z|².
-    z = full / (temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature)
-    delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
-    for out, ref, is_entropy in zip(ours, refs, _entropy_outputs(case)):
-        assert out.dtype == torch.float32 and out.shape == ref.shape, (where, out.shape, ref.shape)
-        assert_within(out, ref, delta + FP32_EPS * ref.abs(), f"{where} output")
-        # lse − fl(lse − H) >= 0 exactly for H >= 0: rounding never makes an entropy negative.
-        assert not is_entropy or ((out >= 0) | out.isnan()).all(), f"{where}: negative entropy"
-    if case.ignore:
-        ignored_rows = _ignored_rows(case, target)
-        assert (ours[0].masked_select(target == IGNORE) == 0).all(), f"{where}: log-prob not 0"
-        if case.entropy:
-            assert (ours[1].masked_select(ignored_rows) == 0).all(), f"{where}: entropy not 0"
-        assert (grad.masked_select(ignored_rows.unsqueeze(-1)) == 0).all(), f"{where}: gradient"
-    if case.ignore:  # no gradient there, checked above, even where the oracle's is NaN
-        ref_grad = torch.where(_ignored_rows(case, target).unsqueeze(-1), 0.0, ref_grad)
-    bound = _grad_bound(case, full, temperature, upstreams, ref_grad, delta, grad.dtype)
-    mine = slice(start, end)
-    assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,7 +61,7 @@ def test_temperature(gloo_pool, world):
         Case(api="vocab_parallel_entropy", temperature="position", dtype="fp16", seed=6),
         Case(api="vocab_parallel_topk", k=5, temperature="position", seed=7),
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_extras_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -287,7 +81,7 @@ def test_entropy(gloo_pool, world):
         dataclasses.replace(entropy, special="nan_row", seed=17),
         Case(entropy=True, special="nan_row", temperature="row", seed=18),
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_extras_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -300,7 +94,7 @@ def test_ignore_index_with_entropy(gloo_pool, world):
         Case(ignore=True, entropy=True, special="inf_shard", seed=23),
         Case(ignore=True, entropy=True, special="nan_row", seed=24),  # the NaN row ignored
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_extras_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -313,7 +107,7 @@ def test_k_ids(gloo_pool, world):
         Case(k=4, entropy=True, temperature="row", chunk=5, seed=33),
         Case(k=2, lead=(), scale=1000.0, seed=34),
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_extras_case, cases)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -331,7 +125,7 @@ def test_topk(gloo_pool, world):
         dataclasses.replace(topk, k=2, vocab=3 * 300 + 1, dtype="bf16", seed=46),
         dataclasses.replace(topk, k=8, vocab=4 * 8 * 32 + 17, special="inf_shard", seed=47),
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_extras_case, cases)
 
 
 @settings(max_examples=60, deadline=None)
@@ -406,7 +200,7 @@ def test_chunked(gloo_pool, chunk):
         Case(api="vocab_parallel_entropy", temperature="row", dtype="bf16", chunk=chunk, seed=51),
         Case(api="vocab_parallel_topk", k=4, temperature="position", chunk=chunk, seed=52),
     ]
-    run_cases(gloo_pool, 3, _check_case, cases)
+    run_cases(gloo_pool, 3, check_extras_case, cases)
 
 
 @pytest.mark.parametrize(
@@ -416,13 +210,13 @@ def test_chunked(gloo_pool, chunk):
         Case(entropy=True, special="inf_shard", scale=1000.0, temperature="row", seed=61),
         Case(api="vocab_parallel_entropy", special="nan_row", seed=62),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_online_softmax_form(monkeypatch, case):
     """The statistics in the form Inductor's online softmax matches (taken on CUDA only,
     where it is Triton's), forced here and compiled on the CPU, against the oracle."""
     monkeypatch.setattr(stats, "uses_online_softmax", lambda logits: True)
-    _check_case(case, None, run_ours=compiled_per_case(_ours))
+    check_extras_case(case, None, run_ours=compiled_per_case(extras_ours))
 
 
 def test_online_softmax_form_of_empty_and_infinite_rows():
@@ -453,7 +247,7 @@ def test_online_softmax_form_of_empty_and_infinite_rows():
 
 @st.composite
 def _cases(draw, world: int) -> tuple[Case, int]:
-    api = draw(st.sampled_from(APIS))
+    api = draw(st.sampled_from(EXTRAS_APIS))
     tp = draw(st.integers(1, world))
     seq = draw(st.integers(1, 17))
     vocab = draw(st.integers(world, 80))
@@ -481,7 +275,7 @@ def _cases(draw, world: int) -> tuple[Case, int]:
 
 def _check_property(max_examples: int) -> None:
     # A module-level task for the workers (Hypothesis' composite strategies do not pickle).
-    check_sharded_property(_cases, _check_case, max_examples)
+    check_sharded_property(_cases, check_extras_case, max_examples)
 
 
 def test_property(gloo_pool):

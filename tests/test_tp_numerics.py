@@ -6,7 +6,7 @@ Every case builds the same full logits on every rank (one seed), hands each rank
 Distributed cases run on the session's persistent gloo pools (``gloo_pool``), so the
 functions sent there are module-level; the Hypothesis property runs *inside* the workers.
 
-Tolerances (see ``_check_case``): the oracle sees the logits exactly as given (already
+Tolerances (see ``check_numerics_case``): the oracle sees the logits exactly as given (already
 rounded to bf16/fp16), so the only error left is fp32 math plus the final rounding of the
 result into its dtype.
 """
@@ -21,35 +21,20 @@ import torch.distributed as dist
 from helpers import (
     DTYPES,
     FP32_EPS,
-    IGNORE,
-    assert_within,
+    NUMERICS_APIS,
+    NUMERICS_CHUNKABLE,
+    check_numerics_case,
     rank_and_size,
     tp_group,
 )
+from helpers import NumericsCase as Case
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
 from compiled_logprob._ops.blocks import seq_blocks
 from compiled_logprob.testing.multiprocess import property_in_lockstep
-from compiled_logprob.testing.reference import (
-    oracle_log_softmax,
-    oracle_logprobs,
-    oracle_logsumexp,
-    vocab_bounds,
-)
+from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logsumexp, vocab_bounds
 
-# Outputs [..., S] (replicated on every rank): one log-prob or logsumexp per position.
-TOKEN_APIS = ("token_logprobs", "DistributedLogprob", "ChunkedDistributedLogprob")
-ROW_APIS = (*TOKEN_APIS, "vocab_parallel_logsumexp")
-# Outputs [..., S, V_local] (sharded like the logits).
-SHARDED_APIS = ("vocab_parallel_log_softmax", "_compute_distributed_log_softmax")
-APIS = ROW_APIS + SHARDED_APIS
-CHUNKABLE = (
-    "token_logprobs",
-    "ChunkedDistributedLogprob",
-    "vocab_parallel_logsumexp",
-    "vocab_parallel_log_softmax",
-)
 # NeMo's signatures take [B, S, V_local] logits only.
 DROP_INS = ("DistributedLogprob", "ChunkedDistributedLogprob", "_compute_distributed_log_softmax")
 WORLD_SIZES = (1, 2, 3, 4)
@@ -61,139 +46,8 @@ ODD_SHAPES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One input: logits ``[*lead, seq, vocab]`` of ``dtype``, ``N(0, scale²)``, seeded."""
-
-    api: str = "token_logprobs"
-    lead: tuple[int, ...] = (2,)
-    seq: int = 13
-    vocab: int = 1003
-    dtype: str = "fp32"
-    scale: float = 1.0
-    chunk: int | None = None
-    ignore: bool = False  # ~30% of the targets (token_logprobs only) are IGNORE
-    special: str | None = None  # "inf_shard" | "nan_row"
-    seed: int = 0
-
-
-def _inputs(case: Case, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full logits (in ``case.dtype``), targets and a float64 upstream gradient; identical on
-    every rank. ``world`` places the ``inf_shard`` block on the last rank's shard exactly."""
-    gen = torch.Generator().manual_seed(case.seed)
-    shape = (*case.lead, case.seq, case.vocab)
-    logits = torch.randn(shape, generator=gen, dtype=torch.float64) * case.scale
-    logits = logits.to(DTYPES[case.dtype])
-    target = torch.randint(0, case.vocab, shape[:-1], generator=gen)
-    rows = logits.view(-1, case.vocab)
-    if case.special == "inf_shard":
-        parts = max(world, 2)
-        lo, hi = vocab_bounds(case.vocab, parts, parts - 1)
-        rows[::2, lo:hi] = float("-inf")  # every other row: a whole shard of -inf
-        rows[:, -1] = float("-inf")  # vocabulary padding, every row
-        target = target % lo  # real models never target padding
-    if case.special == "nan_row":
-        rows[rows.shape[0] // 2, case.vocab // 2] = float("nan")
-    if case.ignore:
-        target = torch.where(torch.rand(target.shape, generator=gen) < 0.3, IGNORE, target)
-        if case.special == "nan_row":  # an ignored NaN row must still give 0 and no gradient
-            target.view(-1)[rows.shape[0] // 2] = IGNORE
-    upstream_shape = shape if case.api in SHARDED_APIS else shape[:-1]
-    upstream = torch.randn(upstream_shape, generator=gen, dtype=torch.float64)
-    return logits, target, upstream
-
-
-def _ours(case: Case, shard, target, start: int, group, ignore_index: int | None):
-    end = start + shard.shape[-1]
-    if case.api == "token_logprobs":
-        options = dict(group=group, chunk_size=case.chunk, ignore_index=ignore_index)
-        return cl.token_logprobs(shard, target, vocab_start=start, **options)
-    if case.api == "DistributedLogprob":
-        return cl.DistributedLogprob.apply(shard, target, start, end, group)
-    if case.api == "ChunkedDistributedLogprob":
-        return cl.ChunkedDistributedLogprob.apply(shard, target, start, end, case.chunk, group)
-    if case.api == "vocab_parallel_logsumexp":
-        return cl.vocab_parallel_logsumexp(shard, group=group, chunk_size=case.chunk)
-    if case.api == "vocab_parallel_log_softmax":
-        return cl.vocab_parallel_log_softmax(shard, group=group, chunk_size=case.chunk)
-    return cl._compute_distributed_log_softmax(shard, group)
-
-
-def _oracle(case: Case, full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if case.api in TOKEN_APIS:
-        return oracle_logprobs(full, target, IGNORE if case.ignore else None)
-    if case.api == "vocab_parallel_logsumexp":
-        return oracle_logsumexp(full)
-    return oracle_log_softmax(full)
-
-
-def _value_and_grad(fn, leaf: torch.Tensor, upstream: torch.Tensor):
-    leaf = leaf.detach().requires_grad_()
-    out = fn(leaf)
-    (grad,) = torch.autograd.grad(out, leaf, upstream.to(out.dtype))
-    return out.detach(), grad
-
-
-def _check_case(case: Case, group, run_ours=_ours) -> None:
-    """Forward and backward of ``case`` on this rank's shard against the float64 oracle;
-    ``run_ours`` makes our call (:func:`_ours`, or it on another device or compiled)."""
-    rank, world = rank_and_size(group)
-    where = f"{case} rank {rank}/{world}"
-    start, end = vocab_bounds(case.vocab, world, rank)
-    logits, target, upstream = _inputs(case, world)
-    sharded = case.api in SHARDED_APIS
-    local_upstream = upstream[..., start:end] if sharded else upstream
-    ignore_index = IGNORE if case.ignore else None
-
-    shard = logits[..., start:end]
-    ours, grad = _value_and_grad(
-        lambda x: run_ours(case, x, target, start, group, ignore_index), shard, local_upstream
-    )
-    # The oracle's upstream gradient is ours exactly as the autograd engine saw it.
-    upstream = upstream.to(ours.dtype).double()
-    ref, ref_grad = _value_and_grad(lambda x: _oracle(case, x, target), logits.double(), upstream)
-    if sharded:
-        ref = ref[..., start:end]
-    ref_grad = ref_grad[..., start:end]
-
-    # delta: absolute error of an fp32 logsumexp-type value (lse, log-prob, log-softmax) of
-    # these logits. Subtracting the max and adding it back each cost ~1 ulp of |logits|max;
-    # the sum of exps and its log cost ~log2(V) ulp of O(1) values. 1e-5 is ~80 fp32 ulps of
-    # max(1, |logits|max), room for all of that plus the cross-rank combine.
-    finite = torch.where(logits.isfinite(), logits.double().abs(), 0.0)
-    delta = 1e-5 * max(1.0, finite.max().item())
-    # Results are rounded into their dtype last: allow one ulp of it relative to the value
-    # (the fp32 error can push a value across a rounding boundary).
-    out_eps = torch.finfo(ours.dtype).eps
-    assert_within(ours, ref, delta + out_eps * ref.abs(), f"{where} forward")
-
-    # Gradients are g_lse * softmax + g_target * onehot. softmax = exp(z - lse) inherits
-    # delta as a relative error, so each element's error is at most delta times the row's
-    # upstream weight: |g| for per-row outputs, sum |G| over the vocabulary for log-softmax
-    # (whose lse gradient is -sum G). Then one ulp of the gradient's dtype for the final
-    # rounding, and half a subnormal step where that rounding flushes a tiny gradient.
-    weight = upstream.abs().sum(-1, keepdim=True) if sharded else upstream.abs().unsqueeze(-1)
-    info = torch.finfo(grad.dtype)
-    grad_bound = delta * weight + info.eps * ref_grad.abs() + info.smallest_normal * info.eps / 2
-    if case.ignore:
-        ignored = (target == IGNORE).unsqueeze(-1)
-        assert (ours.masked_select(ignored.squeeze(-1)) == 0).all(), f"{where}: log-prob not 0"
-        assert (grad.masked_select(ignored) == 0).all(), f"{where}: gradient not 0 where ignored"
-        # The oracle's gradient of a NaN row is NaN even where ignored; ours is exactly 0.
-        ref_grad = torch.where(ignored, 0.0, ref_grad)
-        plain_target = torch.where(target == IGNORE, 0, target)
-        plain, plain_grad = _value_and_grad(
-            lambda x: run_ours(case, x, plain_target, start, group, None), shard, local_upstream
-        )
-        # Every other position is bitwise what it is without ignore_index.
-        kept = target != IGNORE
-        assert torch.equal(ours[kept], plain[kept]), f"{where}: ignore_index changed log-probs"
-        assert torch.equal(grad[kept], plain_grad[kept]), f"{where}: ignore_index changed grads"
-    assert_within(grad, ref_grad, grad_bound, f"{where} gradient")
-
-
 def _check_in_world(case: Case) -> None:
-    _check_case(case, dist.group.WORLD)
+    check_numerics_case(case, dist.group.WORLD)
 
 
 def _run_case(gloo_pool, world: int, case: Case) -> None:
@@ -236,7 +90,7 @@ def _check_property(max_examples: int) -> None:
 
 @st.composite
 def _cases(draw) -> Case:
-    api = draw(st.sampled_from(APIS))
+    api = draw(st.sampled_from(NUMERICS_APIS))
     seq = draw(st.integers(1, 17))
     return Case(
         api=api,
@@ -245,7 +99,7 @@ def _cases(draw) -> Case:
         vocab=draw(st.integers(max(WORLD_SIZES), 80)),
         dtype=draw(st.sampled_from(sorted(DTYPES))),
         scale=draw(st.sampled_from([1e-3, 1.0, 30.0, 1000.0])),
-        chunk=draw(st.none() | st.integers(1, seq + 2)) if api in CHUNKABLE else None,
+        chunk=draw(st.none() | st.integers(1, seq + 2)) if api in NUMERICS_CHUNKABLE else None,
         ignore=api == "token_logprobs" and draw(st.booleans()),
         special=draw(st.sampled_from([None, None, "inf_shard", "nan_row"])),
         seed=draw(st.integers(0, 2**16)),
@@ -254,7 +108,7 @@ def _cases(draw) -> Case:
 
 def _property_example(drawn: tuple[Case, int]) -> None:
     case, tp = drawn
-    _check_case(case, tp_group(tp))
+    check_numerics_case(case, tp_group(tp))
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,7 +117,7 @@ def _property_example(drawn: tuple[Case, int]) -> None:
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("api", NUMERICS_APIS)
 def test_matches_oracle(gloo_pool, api, world, dtype):
     """Every entry point, even and uneven shards (V = 1003), every dtype."""
     chunk = 5 if api == "ChunkedDistributedLogprob" else None
@@ -271,7 +125,7 @@ def test_matches_oracle(gloo_pool, api, world, dtype):
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 13, 20])
-@pytest.mark.parametrize("api", CHUNKABLE)
+@pytest.mark.parametrize("api", NUMERICS_CHUNKABLE)
 def test_chunked(gloo_pool, api, chunk):
     """Chunks that divide S, do not, equal it and exceed it, on uneven shards."""
     _run_case(gloo_pool, 3, Case(api=api, chunk=chunk, dtype="bf16", seed=1))
@@ -290,10 +144,10 @@ def test_odd_shapes(gloo_pool, api, shape, world):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("world", [1, 3, 4])
 @pytest.mark.parametrize("special", ["x1000", "inf_shard", "nan_row"])
-@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("api", NUMERICS_APIS)
 def test_stability(gloo_pool, api, special, world, dtype):
     """Logits x1000; -inf padding with whole -inf shards (finite, exact); NaN stays in its row."""
-    chunk = 4 if api in CHUNKABLE else None
+    chunk = 4 if api in NUMERICS_CHUNKABLE else None
     case = Case(api=api, chunk=chunk, dtype=dtype, seed=3)
     if special == "x1000":
         case = dataclasses.replace(case, scale=1000.0)
@@ -331,12 +185,12 @@ def test_bad_target_raises_then_recovers(gloo_pool, kind, world, api, chunk):
     assert all("not owned by exactly one vocabulary shard" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("api", NUMERICS_APIS)
 def test_without_torch_distributed(api):
     """group=None in this very process, torch.distributed never initialised."""
     assert not dist.is_initialized(), "another test left torch.distributed initialised"
-    _check_case(Case(api=api, chunk=6 if api in CHUNKABLE else None, dtype="bf16", seed=5), None)
-    _check_case(Case(api=api, vocab=7, lead=(1,), special="inf_shard", seed=6), None)
+    check_numerics_case(Case(api=api, chunk=6 if api in NUMERICS_CHUNKABLE else None, dtype="bf16", seed=5), None)
+    check_numerics_case(Case(api=api, vocab=7, lead=(1,), special="inf_shard", seed=6), None)
     assert not dist.is_initialized()
 
 
