@@ -13,7 +13,8 @@ conftest fixtures, the package and third-party libraries, never one another.
 * The oracle cases that ``test_device`` runs on a GPU as well as their own modules on the
   CPU, each a case dataclass, our call (``*_ours``, which the device tests move) and the
   check against the float64 oracle (``check_*_case(case, group, run_ours)``):
-  :class:`NumericsCase` (``test_tp_numerics``), :class:`ExtrasCase` (``test_extras``).
+  :class:`NumericsCase` (``test_tp_numerics``), :class:`ExtrasCase` (``test_extras``),
+  :class:`FilterCase` (``test_filtering``).
   Test ids name every case class ``Case`` (:func:`case_id`).
 """
 
@@ -30,6 +31,7 @@ import compiled_logprob as cl
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_entropy,
+    oracle_filtered_log_softmax,
     oracle_log_softmax,
     oracle_logprobs,
     oracle_logsumexp,
@@ -549,3 +551,170 @@ def check_extras_case(case: ExtrasCase, group, run_ours=extras_ours) -> None:
     bound = _extras_grad_bound(case, full, temperature, upstreams, ref_grad, delta, grad.dtype)
     mine = slice(start, end)
     assert_within(grad, ref_grad[..., mine], bound[..., mine], f"{where} gradient")
+
+
+# ---------------------------------------------------------------------------------------
+# test_filtering's cases: log-probs under top-k/top-p filtering, on even vocabulary slices
+
+
+# Top-p decisions closer than this to the boundary are rounding's to make.
+FILTER_MARGIN = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterCase:
+    """Logits ``[*lead, seq, width · TP]`` of ``dtype``, ``N(0, scale²)``, seeded."""
+
+    top_k: int | None = 20
+    top_p: float = 1.0
+    lead: tuple[int, ...] = (2,)
+    seq: int = 13
+    width: int = 101  # V_local
+    dtype: str = "fp32"
+    scale: float = 3.0
+    temperature: str | None = None  # 0.7 ("float"), per row [*lead, 1], per position
+    chunk: int | None = None
+    ids: int = 0  # K > 0: [..., S, K] targets
+    ignore: bool = False
+    special: str | None = None  # "inf_shard" | "nan_row" | "ties"
+    api: str = "token_logprobs"  # or "DistributedLogprobWithSampling" (its Chunked… with chunk)
+    seed: int = 0
+
+    def oracle_top_k(self) -> int | None:
+        return None if self.top_k == -1 else self.top_k  # NeMo-RL's -1: no top-k
+
+
+def _filter_inputs(case: FilterCase, world: int):
+    gen = torch.Generator().manual_seed(case.seed)
+    vocab = case.width * world
+    shape = (*case.lead, case.seq, vocab)
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64) * case.scale
+    if case.special == "ties":  # many equal values, around the boundaries too
+        logits = logits.round()
+    logits = logits.to(DTYPES[case.dtype])
+    rows = logits.view(-1, vocab)
+    # The last rank's whole slice (the last half without TP).
+    inf_width = case.width if world > 1 else vocab // 2
+    if case.special == "inf_shard":
+        rows[::2, vocab - inf_width :] = float("-inf")
+    if case.special == "nan_row":
+        rows[rows.shape[0] // 2, vocab // 2] = float("nan")
+    ids_shape = (*shape[:-1], max(case.ids, 1))
+    top = min(3, vocab)
+    likely = logits.float().nan_to_num(nan=0.0).topk(top, dim=-1).indices
+    pick = likely.gather(-1, torch.randint(0, top, ids_shape, generator=gen))
+    target = torch.where(
+        torch.rand(ids_shape, generator=gen) < 0.5,
+        pick,
+        torch.randint(0, vocab, ids_shape, generator=gen),
+    )
+    if case.special == "inf_shard":
+        target = target % (vocab - inf_width)
+    if case.ignore:
+        target = torch.where(torch.rand(ids_shape, generator=gen) < 0.3, IGNORE, target)
+    target = target if case.ids else target[..., 0]
+    if case.temperature == "float":
+        temperature = 0.7
+    elif case.temperature == "row":
+        temperature = torch.linspace(0.5, 2.0, torch.Size(case.lead).numel()).view(*case.lead, 1)
+    elif case.temperature == "position":
+        temperature = 0.5 + 1.5 * torch.rand((*case.lead, case.seq), generator=gen)
+    else:
+        temperature = 1.0
+    return logits, target, temperature
+
+
+def filter_ours(case: FilterCase, shard, target, start: int, group, temperature):
+    if case.api == "DistributedLogprobWithSampling":
+        if case.chunk is None:
+            return cl.DistributedLogprobWithSampling.apply(
+                shard, target, group, case.top_k, case.top_p
+            )
+        return cl.ChunkedDistributedLogprobWithSampling.apply(
+            shard, target, group, case.top_k, case.top_p, case.chunk
+        )
+    return cl.token_logprobs(
+        shard,
+        target,
+        vocab_start=start,
+        group=group,
+        chunk_size=case.chunk,
+        ignore_index=IGNORE if case.ignore else None,
+        temperature=temperature,
+        top_k=case.top_k,
+        top_p=case.top_p,
+    )
+
+
+def _filter_oracle(case: FilterCase, full, target, temperature):
+    """float64 log-probs of ``target`` (0 where ignored) and the rows that are settled: top-p
+    margin above :data:`FILTER_MARGIN`, and no NaN."""
+    log_softmax, margin = oracle_filtered_log_softmax(
+        full, case.oracle_top_k(), case.top_p, temperature
+    )
+    ids = target if case.ids else target.unsqueeze(-1)
+    ignored = ids == IGNORE
+    out = torch.where(ignored, 0.0, log_softmax.gather(-1, torch.where(ignored, 0, ids)))
+    settled = (margin > FILTER_MARGIN) & ~full.isnan().any(-1)
+    return (out if case.ids else out.squeeze(-1)), settled
+
+
+def check_filter_case(case: FilterCase, group, run_ours=filter_ours) -> None:
+    """Forward and backward of ``case`` on this rank's slice against the float64 oracle;
+    ``run_ours`` makes our call (:func:`filter_ours`, or it on another device or compiled)."""
+    rank, world = rank_and_size(group)
+    where = f"{case} rank {rank}/{world}"
+    start = rank * case.width
+    logits, target, temperature = _filter_inputs(case, world)
+    full = logits.double()
+    with torch.no_grad():
+        _, settled = _filter_oracle(case, full, target, temperature)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    rows_mask = settled.unsqueeze(-1) if case.ids else settled
+    upstream = torch.randn(target.shape, generator=gen, dtype=torch.float64)
+    upstream = torch.where(rows_mask, upstream, 0.0).float().double()
+
+    shard = logits[..., start : start + case.width].detach().requires_grad_()
+    out = run_ours(case, shard, target, start, group, temperature)
+    (grad,) = torch.autograd.grad(out, shard, upstream.float())
+    leaf = full.clone().requires_grad_()
+    ref, _ = _filter_oracle(case, leaf, target, temperature)
+    # The oracle's -inf entries get no gradient (as ours): differentiate the finite ones.
+    (ref_grad,) = torch.autograd.grad(torch.where(ref.isfinite(), ref, 0.0), leaf, upstream)
+
+    assert out.dtype == torch.float32 and out.shape == target.shape, (where, out.shape)
+    if case.special == "nan_row":
+        nan_row = ~full.isnan().any(-1) | (target == IGNORE if not case.ids else False)
+        assert out.isnan().logical_or(nan_row if not case.ids else nan_row.unsqueeze(-1)).all(), (
+            where
+        )
+    z = full / (
+        temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+    )
+    delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
+    mask = rows_mask.expand_as(out)
+    assert_within(out[mask], ref[mask], delta + FP32_EPS * ref[mask].abs(), f"{where} output")
+
+    with torch.no_grad():
+        log_softmax, _ = oracle_filtered_log_softmax(
+            full, case.oracle_top_k(), case.top_p, temperature
+        )
+        probs = log_softmax.exp()
+        weight = upstream.abs() if not case.ids else upstream.abs().sum(-1)
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.double()
+        else:
+            temperature = torch.tensor(temperature, dtype=torch.float64)
+        info = torch.finfo(grad.dtype)
+        bound = (delta * probs + FP32_TINY) * (weight / temperature).unsqueeze(-1)
+        bound = (
+            bound + (info.eps + 2 * FP32_EPS) * ref_grad.abs() + info.smallest_normal * info.eps / 2
+        )
+    mine = slice(start, start + case.width)
+    finite_rows = ~full.isnan().any(-1)  # a NaN row's gradient is NaN
+    assert_within(
+        grad[finite_rows],
+        ref_grad[..., mine][finite_rows],
+        bound[..., mine][finite_rows],
+        f"{where} gradient",
+    )

@@ -20,19 +20,21 @@ import subprocess
 import sys
 
 import pytest
-import test_filtering as filtering
 import test_lm_head as lm_head
 import torch
 from helpers import (
     NUMERICS_APIS,
     NUMERICS_CHUNKABLE,
     ExtrasCase,
+    FilterCase,
     NumericsCase,
     case_id,
     check_extras_case,
+    check_filter_case,
     check_numerics_case,
     compiled_per_case,
     extras_ours,
+    filter_ours,
     numerics_ours,
 )
 from torch.utils._pytree import tree_map
@@ -88,14 +90,14 @@ EXTRAS = [
     ExtrasCase(api="vocab_parallel_logsumexp", temperature="position", seed=16),
 ]
 FILTERING = [
-    filtering.Case(top_k=20, seed=20),
-    filtering.Case(top_k=None, top_p=0.9, seed=21),
-    filtering.Case(top_k=10, top_p=0.8, dtype="bf16", temperature="row", seed=22),
-    filtering.Case(top_k=7, top_p=0.9, special="ties", seed=23),
-    filtering.Case(top_k=6, top_p=0.9, width=500, special="ties", seed=24),
-    filtering.Case(top_k=None, top_p=0.9, special="nan_row", chunk=4, seed=25),
-    filtering.Case(top_k=10, top_p=0.95, ids=3, ignore=True, seed=26),
-    filtering.Case(top_k=20, top_p=0.8, api="DistributedLogprobWithSampling", chunk=5, seed=27),
+    FilterCase(top_k=20, seed=20),
+    FilterCase(top_k=None, top_p=0.9, seed=21),
+    FilterCase(top_k=10, top_p=0.8, dtype="bf16", temperature="row", seed=22),
+    FilterCase(top_k=7, top_p=0.9, special="ties", seed=23),
+    FilterCase(top_k=6, top_p=0.9, width=500, special="ties", seed=24),
+    FilterCase(top_k=None, top_p=0.9, special="nan_row", chunk=4, seed=25),
+    FilterCase(top_k=10, top_p=0.95, ids=3, ignore=True, seed=26),
+    FilterCase(top_k=20, top_p=0.8, api="DistributedLogprobWithSampling", chunk=5, seed=27),
 ]
 
 
@@ -109,14 +111,14 @@ def test_extras(case):
     _check_on_device(check_extras_case, extras_ours, case)
 
 
-@pytest.mark.parametrize("case", FILTERING, ids=str)
+@pytest.mark.parametrize("case", FILTERING, ids=case_id)
 def test_filtering(case):
-    _check_on_device(filtering._check_case, filtering._ours, case)
+    _check_on_device(check_filter_case, filter_ours, case)
 
 
 NUMERICS_FAMILY = (check_numerics_case, numerics_ours)
 EXTRAS_FAMILY = (check_extras_case, extras_ours)
-FILTER_FAMILY = (filtering._check_case, filtering._ours)
+FILTER_FAMILY = (check_filter_case, filter_ours)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +127,7 @@ FILTER_FAMILY = (filtering._check_case, filtering._ours)
         (NUMERICS_FAMILY, NumericsCase(dtype="bf16", special="inf_shard")),
         (EXTRAS_FAMILY, ExtrasCase(temperature="position", entropy=True, ignore=True)),
         (EXTRAS_FAMILY, ExtrasCase(api="vocab_parallel_topk", k=5)),
-        (FILTER_FAMILY, filtering.Case(top_k=10, top_p=0.8, temperature="row")),
+        (FILTER_FAMILY, FilterCase(top_k=10, top_p=0.8, temperature="row")),
     ],
     ids=["token_logprobs", "entropy", "topk", "filtered"],
 )

@@ -14,19 +14,18 @@ ids, ``delta · p · |g| / T`` plus the roundings into the gradient's dtype.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import (
     CP_BATCH,
     DTYPES,
+    FILTER_MARGIN,
     FP32_EPS,
-    FP32_TINY,
     IGNORE,
     SamplingParams,
     assert_within,
+    check_filter_case,
     check_sharded_property,
     cp_layout,
     rank_and_size,
@@ -34,6 +33,7 @@ from helpers import (
     ref_shard_packed,
     run_cases,
 )
+from helpers import FilterCase as Case
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -43,169 +43,6 @@ from compiled_logprob._math import filtering as _math
 from compiled_logprob import context_parallel as cp_api
 from compiled_logprob.testing.reference import oracle_filtered_log_softmax
 from compiled_logprob.testing.sync_check import no_host_syncs
-
-# Top-p decisions closer than this to the boundary are rounding's to make.
-MARGIN = 1e-4
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """Logits ``[*lead, seq, width · TP]`` of ``dtype``, ``N(0, scale²)``, seeded."""
-
-    top_k: int | None = 20
-    top_p: float = 1.0
-    lead: tuple[int, ...] = (2,)
-    seq: int = 13
-    width: int = 101  # V_local
-    dtype: str = "fp32"
-    scale: float = 3.0
-    temperature: str | None = None  # 0.7 ("float"), per row [*lead, 1], per position
-    chunk: int | None = None
-    ids: int = 0  # K > 0: [..., S, K] targets
-    ignore: bool = False
-    special: str | None = None  # "inf_shard" | "nan_row" | "ties"
-    api: str = "token_logprobs"  # or "DistributedLogprobWithSampling" (its Chunked… with chunk)
-    seed: int = 0
-
-    def oracle_top_k(self) -> int | None:
-        return None if self.top_k == -1 else self.top_k  # NeMo-RL's -1: no top-k
-
-
-def _inputs(case: Case, world: int):
-    gen = torch.Generator().manual_seed(case.seed)
-    vocab = case.width * world
-    shape = (*case.lead, case.seq, vocab)
-    logits = torch.randn(shape, generator=gen, dtype=torch.float64) * case.scale
-    if case.special == "ties":  # many equal values, around the boundaries too
-        logits = logits.round()
-    logits = logits.to(DTYPES[case.dtype])
-    rows = logits.view(-1, vocab)
-    # The last rank's whole slice (the last half without TP).
-    inf_width = case.width if world > 1 else vocab // 2
-    if case.special == "inf_shard":
-        rows[::2, vocab - inf_width :] = float("-inf")
-    if case.special == "nan_row":
-        rows[rows.shape[0] // 2, vocab // 2] = float("nan")
-    ids_shape = (*shape[:-1], max(case.ids, 1))
-    top = min(3, vocab)
-    likely = logits.float().nan_to_num(nan=0.0).topk(top, dim=-1).indices
-    pick = likely.gather(-1, torch.randint(0, top, ids_shape, generator=gen))
-    target = torch.where(
-        torch.rand(ids_shape, generator=gen) < 0.5,
-        pick,
-        torch.randint(0, vocab, ids_shape, generator=gen),
-    )
-    if case.special == "inf_shard":
-        target = target % (vocab - inf_width)
-    if case.ignore:
-        target = torch.where(torch.rand(ids_shape, generator=gen) < 0.3, IGNORE, target)
-    target = target if case.ids else target[..., 0]
-    if case.temperature == "float":
-        temperature = 0.7
-    elif case.temperature == "row":
-        temperature = torch.linspace(0.5, 2.0, torch.Size(case.lead).numel()).view(*case.lead, 1)
-    elif case.temperature == "position":
-        temperature = 0.5 + 1.5 * torch.rand((*case.lead, case.seq), generator=gen)
-    else:
-        temperature = 1.0
-    return logits, target, temperature
-
-
-def _ours(case: Case, shard, target, start: int, group, temperature):
-    if case.api == "DistributedLogprobWithSampling":
-        if case.chunk is None:
-            return cl.DistributedLogprobWithSampling.apply(
-                shard, target, group, case.top_k, case.top_p
-            )
-        return cl.ChunkedDistributedLogprobWithSampling.apply(
-            shard, target, group, case.top_k, case.top_p, case.chunk
-        )
-    return cl.token_logprobs(
-        shard,
-        target,
-        vocab_start=start,
-        group=group,
-        chunk_size=case.chunk,
-        ignore_index=IGNORE if case.ignore else None,
-        temperature=temperature,
-        top_k=case.top_k,
-        top_p=case.top_p,
-    )
-
-
-def _oracle(case: Case, full, target, temperature):
-    """float64 log-probs of ``target`` (0 where ignored) and the rows that are settled: top-p
-    margin above :data:`MARGIN`, and no NaN."""
-    log_softmax, margin = oracle_filtered_log_softmax(
-        full, case.oracle_top_k(), case.top_p, temperature
-    )
-    ids = target if case.ids else target.unsqueeze(-1)
-    ignored = ids == IGNORE
-    out = torch.where(ignored, 0.0, log_softmax.gather(-1, torch.where(ignored, 0, ids)))
-    settled = (margin > MARGIN) & ~full.isnan().any(-1)
-    return (out if case.ids else out.squeeze(-1)), settled
-
-
-def _check_case(case: Case, group, run_ours=_ours) -> None:
-    """Forward and backward of ``case`` on this rank's slice against the float64 oracle;
-    ``run_ours`` makes our call (:func:`_ours`, or it on another device or compiled)."""
-    rank, world = rank_and_size(group)
-    where = f"{case} rank {rank}/{world}"
-    start = rank * case.width
-    logits, target, temperature = _inputs(case, world)
-    full = logits.double()
-    with torch.no_grad():
-        _, settled = _oracle(case, full, target, temperature)
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    rows_mask = settled.unsqueeze(-1) if case.ids else settled
-    upstream = torch.randn(target.shape, generator=gen, dtype=torch.float64)
-    upstream = torch.where(rows_mask, upstream, 0.0).float().double()
-
-    shard = logits[..., start : start + case.width].detach().requires_grad_()
-    out = run_ours(case, shard, target, start, group, temperature)
-    (grad,) = torch.autograd.grad(out, shard, upstream.float())
-    leaf = full.clone().requires_grad_()
-    ref, _ = _oracle(case, leaf, target, temperature)
-    # The oracle's -inf entries get no gradient (as ours): differentiate the finite ones.
-    (ref_grad,) = torch.autograd.grad(torch.where(ref.isfinite(), ref, 0.0), leaf, upstream)
-
-    assert out.dtype == torch.float32 and out.shape == target.shape, (where, out.shape)
-    if case.special == "nan_row":
-        nan_row = ~full.isnan().any(-1) | (target == IGNORE if not case.ids else False)
-        assert out.isnan().logical_or(nan_row if not case.ids else nan_row.unsqueeze(-1)).all(), (
-            where
-        )
-    z = full / (
-        temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
-    )
-    delta = 1e-5 * max(1.0, torch.where(z.isfinite(), z.abs(), 0.0).max().item())
-    mask = rows_mask.expand_as(out)
-    assert_within(out[mask], ref[mask], delta + FP32_EPS * ref[mask].abs(), f"{where} output")
-
-    with torch.no_grad():
-        log_softmax, _ = oracle_filtered_log_softmax(
-            full, case.oracle_top_k(), case.top_p, temperature
-        )
-        probs = log_softmax.exp()
-        weight = upstream.abs() if not case.ids else upstream.abs().sum(-1)
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature.double()
-        else:
-            temperature = torch.tensor(temperature, dtype=torch.float64)
-        info = torch.finfo(grad.dtype)
-        bound = (delta * probs + FP32_TINY) * (weight / temperature).unsqueeze(-1)
-        bound = (
-            bound + (info.eps + 2 * FP32_EPS) * ref_grad.abs() + info.smallest_normal * info.eps / 2
-        )
-    mine = slice(start, start + case.width)
-    finite_rows = ~full.isnan().any(-1)  # a NaN row's gradient is NaN
-    assert_within(
-        grad[finite_rows],
-        ref_grad[..., mine][finite_rows],
-        bound[..., mine][finite_rows],
-        f"{where} gradient",
-    )
-
 
 # ---------------------------------------------------------------------------------------
 # Tests
@@ -217,7 +54,7 @@ FILTERS = [(20, 1.0), (None, 0.9), (50, 0.7), (1, 1.0), (None, 0.2), (5, 0.999)]
 def test_filters(gloo_pool, world):
     """Top-k alone, top-p alone and both; k = 1 (greedy); B·S not divisible by TP (26 rows)."""
     cases = [Case(top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(FILTERS)]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_filter_case, cases)
 
 
 @pytest.mark.parametrize("world", (1, 2, 3))
@@ -238,7 +75,7 @@ def test_dtypes_scales_and_edges(gloo_pool, world):
         Case(top_k=6, width=500, special="ties", seed=19),
         Case(top_k=6, top_p=0.9, width=500, special="ties", seed=29),
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_filter_case, cases)
 
 
 @pytest.mark.parametrize("world", (1, 2, 3))
@@ -255,7 +92,7 @@ def test_options(gloo_pool, world):
         Case(top_k=None, top_p=0.8, chunk=5, api="DistributedLogprobWithSampling", seed=27),
         Case(top_k=-1, top_p=0.8, api="DistributedLogprobWithSampling", seed=28),
     ]
-    run_cases(gloo_pool, world, _check_case, cases)
+    run_cases(gloo_pool, world, check_filter_case, cases)
 
 
 @settings(max_examples=100, deadline=None)
@@ -330,7 +167,7 @@ def _cases(draw, world: int) -> tuple[Case, int]:
 
 def _check_property(max_examples: int) -> None:
     # A module-level task for the workers (Hypothesis' composite strategies do not pickle).
-    check_sharded_property(_cases, _check_case, max_examples)
+    check_sharded_property(_cases, check_filter_case, max_examples)
 
 
 def test_property(gloo_pool):
@@ -380,7 +217,7 @@ def _check_context_parallel(tp: int, cp: int) -> None:
     leaf = full.clone().requires_grad_()
     log_softmax, margin = oracle_filtered_log_softmax(leaf[:, : seq - 1], top_k, top_p)
     ref = log_softmax.gather(-1, ids[:, 1:, None])[..., 0]
-    upstream = torch.where(margin > MARGIN, upstream, 0.0).float().double()
+    upstream = torch.where(margin > FILTER_MARGIN, upstream, 0.0).float().double()
     (ref_grad,) = torch.autograd.grad(torch.where(ref.isfinite(), ref, 0.0), leaf, upstream)
     params = SamplingParams(top_k=top_k, top_p=top_p)
     filters = {"top_k": top_k, "top_p": top_p}
@@ -428,7 +265,7 @@ def _check_context_parallel(tp: int, cp: int) -> None:
         shard = logits[..., lo:hi].float().requires_grad_()
         out = call(shard)
         (grad,) = torch.autograd.grad(out, shard, upstream.float())
-        settled = (margin > MARGIN).expand_as(out)
+        settled = (margin > FILTER_MARGIN).expand_as(out)
         assert_within(out[settled], ref[settled], 1e-4 + FP32_EPS * ref[settled].abs(), where)
         # Every CP rank's loss holds every position: a rank's logits get cp times the oracle's.
         expected = cp * layout(ref_grad)[..., lo:hi]
