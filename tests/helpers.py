@@ -14,13 +14,15 @@ conftest fixtures, the package and third-party libraries, never one another.
   CPU, each a case dataclass, our call (``*_ours``, which the device tests move) and the
   check against the float64 oracle (``check_*_case(case, group, run_ours)``):
   :class:`NumericsCase` (``test_tp_numerics``), :class:`ExtrasCase` (``test_extras``),
-  :class:`FilterCase` (``test_filtering``).
+  :class:`FilterCase` (``test_filtering``); and ``test_lm_head``'s :class:`LMHeadCase`,
+  with :func:`run_lm_head`, :func:`lm_head_oracle` and :func:`check_lm_head`.
   Test ids name every case class ``Case`` (:func:`case_id`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import compiled_logprob as cl
+from compiled_logprob.lm_head import lm_head_token_logprobs
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_entropy,
@@ -718,3 +721,179 @@ def check_filter_case(case: FilterCase, group, run_ours=filter_ours) -> None:
         bound[..., mine][finite_rows],
         f"{where} gradient",
     )
+
+
+# ---------------------------------------------------------------------------------------
+# test_lm_head's cases: log-probs and entropy from hidden states and an LM-head weight
+
+
+LM_HEAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMHeadCase:
+    """Hidden states ``[*lead, seq, hidden]`` and an LM-head weight ``[vocab, hidden]`` of
+    ``dtype``, seeded, and the options of the call."""
+
+    lead: tuple[int, ...] = (2,)
+    seq: int = 13
+    hidden: int = 24
+    vocab: int = 1003
+    dtype: str = "fp32"
+    chunk: int | None = 5
+    ignore: bool = False  # ~30% of the targets are IGNORE
+    temperature: float | str = 1.0  # or "rows" / "positions": see lm_head_temperature
+    k: int | None = None  # K target ids per position ([..., S, K]), else one ([..., S])
+    entropy: bool = True
+    scale: float = 1.0  # of the weight, so of the logits
+    seed: int = 0
+
+
+def lm_head_inputs(case: LMHeadCase):
+    """hidden ``[*lead, S, H]``, full weight ``[V, H]`` (logits ~ N(0, 4)), targets and
+    float64 upstream gradients for the log-probs and the entropy."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = LM_HEAD_DTYPES[case.dtype]
+    shape = (*case.lead, case.seq)
+    ids_shape = shape if case.k is None else (*shape, case.k)
+    hidden = torch.randn(*shape, case.hidden, generator=gen).to(dtype)
+    weight = torch.randn(case.vocab, case.hidden, generator=gen) * 2 * case.scale / case.hidden**0.5
+    weight = weight.to(dtype)
+    target = torch.randint(0, case.vocab, ids_shape, generator=gen)
+    if case.ignore:
+        target = torch.where(torch.rand(ids_shape, generator=gen) < 0.3, IGNORE, target)
+    if case.k is not None:
+        target[..., 0, -1] = target[..., 0, 0]  # an id twice at one position
+        if case.ignore and case.seq > 1:
+            target[..., 1, :] = IGNORE  # a position whose every id is ignored
+    up_lp = torch.randn(ids_shape, generator=gen, dtype=torch.float64)
+    return hidden, weight, target, up_lp, torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def lm_head_temperature(case: LMHeadCase) -> float | torch.Tensor:
+    """The case's temperature as the entry points take it: a float, or fp32 temperatures in
+    [0.5, 1.5] of shape ``[*lead, 1]`` ("rows") or ``[*lead, S]`` ("positions")."""
+    if not isinstance(case.temperature, str):
+        return case.temperature
+    shape = (*case.lead, 1 if case.temperature == "rows" else case.seq)
+    return torch.linspace(0.5, 1.5, math.prod(shape)).view(shape)
+
+
+def run_lm_head(
+    case: LMHeadCase, rank: int, world: int, group, api=lm_head_token_logprobs
+) -> dict[str, torch.Tensor]:
+    """This rank's log-probs, entropy and gradients of ``Σ lp·up + Σ entropy·up'``."""
+    hidden, weight, target, up_lp, up_ent = lm_head_inputs(case)
+    lo, hi = vocab_bounds(case.vocab, world, rank)
+    hidden = hidden.requires_grad_()
+    weight = weight[lo:hi].clone().requires_grad_()
+    out = api(hidden, weight, target, group=group, **lm_head_options(case, lo))
+    return lm_head_backward(case, out, hidden, weight, up_lp, up_ent)
+
+
+def lm_head_options(case: LMHeadCase, vocab_start: int) -> dict:
+    return dict(
+        vocab_start=vocab_start,
+        chunk_size=case.chunk,
+        ignore_index=IGNORE if case.ignore else None,
+        temperature=lm_head_temperature(case),
+        return_entropy=case.entropy,
+    )
+
+
+def lm_head_backward(
+    case: LMHeadCase, out, hidden, weight, up_lp, up_ent
+) -> dict[str, torch.Tensor]:
+    lp, ent = out if case.entropy else (out, torch.zeros(up_ent.shape))
+    ((lp.double() * up_lp).sum() + (ent.double() * up_ent).sum()).backward()
+    return {"lp": lp.detach(), "ent": ent.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
+
+
+def lm_head_oracle(case: LMHeadCase) -> dict[str, torch.Tensor]:
+    return lm_head_oracle_of(case, *lm_head_inputs(case))
+
+
+def lm_head_oracle_of(
+    case: LMHeadCase, hidden, weight, target, up_lp, up_ent
+) -> dict[str, torch.Tensor]:
+    """float64 outputs and gradients, plus the magnitudes the tolerances scale with."""
+    logits = (hidden @ weight.T).double().requires_grad_()
+    temperature = lm_head_temperature(case)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.double().unsqueeze(-1)
+    z = logits / temperature
+    ignored = target == IGNORE if case.k is None else (target == IGNORE).all(-1)
+    lp = oracle_logprobs(z, target, IGNORE)
+    log_p = oracle_log_softmax(z)
+    ent = torch.where(ignored, 0.0, -(log_p.exp() * log_p).sum(-1)) if case.entropy else 0 * up_ent
+    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+    grad_z = logits.grad.reshape(-1, case.vocab)
+    terms = _lm_head_gradient_terms(case, log_p.detach(), ent.detach(), target, up_lp, up_ent)
+    terms = (terms / temperature).reshape(-1, case.vocab)
+    h64, w64 = hidden.double().reshape(-1, case.hidden), weight.double()
+    return {
+        "lp": lp,
+        "ent": ent,
+        "grad_h": (grad_z @ w64).view(hidden.shape),
+        "grad_w": grad_z.T @ h64,
+        "bound_h": (grad_z.abs() @ w64.abs()).view(hidden.shape),
+        "bound_w": grad_z.abs().T @ h64.abs(),
+        "terms_h": (terms @ w64.abs()).view(hidden.shape),
+        "terms_w": terms.T @ h64.abs(),
+        "zmax": z.abs().max().item(),
+    }
+
+
+def _lm_head_gradient_terms(case: LMHeadCase, log_p, ent, target, up_lp, up_ent) -> torch.Tensor:
+    """``[..., S, V]`` sum of the magnitudes of the terms of the gradient with respect to
+    ``z``, before they cancel: ``Σ_k |g_k| · onehot(t_k) + Σ_k |g_k| · p + |g_H| · p ·
+    (|log p| + H)``. Each is formed in fp32, so each carries fp32 error even where they sum
+    to 0 (one id that takes all the mass: a one-entry vocabulary, or logits x1000)."""
+    ids = target.unsqueeze(-1) if case.k is None else target
+    weights = (up_lp.unsqueeze(-1) if case.k is None else up_lp).abs()
+    weights = torch.where(ids == IGNORE, 0.0, weights)
+    onehot = torch.zeros_like(log_p).scatter_add_(-1, torch.where(ids == IGNORE, 0, ids), weights)
+    p = log_p.exp()
+    terms = onehot + weights.sum(-1, keepdim=True) * p
+    if case.entropy:
+        terms = terms + up_ent.abs().unsqueeze(-1) * (-torch.special.xlogy(p, p) + p * ent.unsqueeze(-1))
+    return terms
+
+
+def check_lm_head(
+    case: LMHeadCase, got: dict[str, torch.Tensor], want: dict, rank: int, world: int
+) -> None:
+    """Forward: fp32 math (error ∝ the logits' magnitude) plus one rounding of each logit in
+    the inputs' dtype (a matmul may block differently per tile). Gradients: fp32 math,
+    relative to the magnitudes of the terms that the gradient sums (``terms_*``), plus the
+    rounding of the logits' gradient and of each chunk's matmul product in the inputs'
+    dtype, each ≤ u·Σ|grad_z|·|operand| (``bound_*``)."""
+    u = torch.finfo(LM_HEAD_DTYPES[case.dtype]).eps / 2
+    fp32_math = 1e-5 * (1 + want["zmax"])
+    atol = fp32_math + 2 * u * want["zmax"]
+    for name in ("lp", "ent"):
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name].double(), want[name], rtol=0, atol=atol, msg=name)
+    lo, hi = vocab_bounds(case.vocab, world, rank)
+    for name, want_grad, bound, terms in (
+        ("grad_h", want["grad_h"], want["bound_h"], want["terms_h"]),
+        ("grad_w", want["grad_w"][lo:hi], want["bound_w"][lo:hi], want["terms_w"][lo:hi]),
+    ):
+        got_grad = got[name]
+        assert got_grad.dtype == LM_HEAD_DTYPES[case.dtype], name
+        err = (got_grad.double() - want_grad).abs()
+        tol = 4 * u * bound + fp32_math * terms + 1e-6
+        assert (err <= tol).all(), f"{name}: max error {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
+
+
+LM_HEAD_CASES = [
+    LMHeadCase(),
+    LMHeadCase(dtype="bf16"),
+    LMHeadCase(ignore=True, temperature=0.7),
+    LMHeadCase(dtype="bf16", ignore=True, temperature=1.3, chunk=None),
+    LMHeadCase(ignore=True, temperature="positions"),
+    LMHeadCase(dtype="bf16", temperature="rows", chunk=None),
+    LMHeadCase(ignore=True, temperature="positions", k=3),
+    LMHeadCase(lead=(1,), seq=7, chunk=3, entropy=False),
+    LMHeadCase(lead=(2, 3), seq=6, vocab=517, hidden=8, chunk=4),
+]

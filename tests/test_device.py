@@ -2,12 +2,13 @@
 
 CI has no GPU: these tests skip there, and ``perf/gpu.sh`` runs this file first on a lent
 one (the first GPU run found two faults that no CPU test could see: see README, "On a GPU").
-Each case is a CPU test's own case and check (``test_tp_numerics``, ``test_extras``,
-``test_filtering``, ``test_lm_head``) with our call moved to the device: its inputs go there
-and its outputs come back through ``Tensor.to``, which autograd differentiates, so the
-CPU-side oracle, tolerances and gradient checks are the CPU tests' own. On CUDA also:
-no synchronising call (``torch.cuda.set_sync_debug_mode("error")``), a capture of the eager
-step in a CUDA graph, and the device-side check of out-of-vocabulary targets.
+Each case is a CPU test's own kind of case and check (``test_tp_numerics``, ``test_extras``,
+``test_filtering``, ``test_lm_head``; they live in ``helpers``) with our call moved to the
+device: its inputs go there and its outputs come back through ``Tensor.to``, which autograd
+differentiates, so the CPU-side oracle, tolerances and gradient checks are the CPU tests'
+own. On CUDA also: no synchronising call (``torch.cuda.set_sync_debug_mode("error")``), a
+capture of the eager step in a CUDA graph, and the device-side check of out-of-vocabulary
+targets.
 
 ``COMPILED_LOGPROB_TEST_DEVICE`` picks the device (default ``cuda``; ``cpu`` dry-runs the
 wiring where no GPU is lent).
@@ -20,9 +21,9 @@ import subprocess
 import sys
 
 import pytest
-import test_lm_head as lm_head
 import torch
 from helpers import (
+    LM_HEAD_CASES,
     NUMERICS_APIS,
     NUMERICS_CHUNKABLE,
     ExtrasCase,
@@ -31,11 +32,14 @@ from helpers import (
     case_id,
     check_extras_case,
     check_filter_case,
+    check_lm_head,
     check_numerics_case,
     compiled_per_case,
     extras_ours,
     filter_ours,
+    lm_head_oracle,
     numerics_ours,
+    run_lm_head,
 )
 from torch.utils._pytree import tree_map
 
@@ -136,13 +140,13 @@ def test_compiled(family, case):
     _check_on_device(*family, case, compiled=True)
 
 
-@pytest.mark.parametrize("case", [lm_head.CASES[0], lm_head.CASES[3]], ids=str)
+@pytest.mark.parametrize("case", [LM_HEAD_CASES[0], LM_HEAD_CASES[3]], ids=case_id)
 def test_lm_head(case):
     def api(hidden, weight, target, **options):
         on_device = _to(DEVICE, (hidden, weight, target))
         return _to("cpu", cl.lm_head_token_logprobs(*on_device, **options))
 
-    lm_head._check(case, lm_head._run(case, 0, 1, None, api=api), lm_head._oracle(case), 0, 1)
+    check_lm_head(case, run_lm_head(case, 0, 1, None, api=api), lm_head_oracle(case), 0, 1)
 
 
 def _step_inputs(seed: int):

@@ -4,21 +4,35 @@ Every case builds the same hidden states, full LM-head weight and targets on eve
 seed); each rank takes its ``vocab_bounds`` slice of the weight. The oracle is
 ``log_softmax`` in float64 of the logits ``hidden @ weight.T`` *as rounded by a matmul in the
 inputs' dtype* (what the op itself computes per tile), so the tolerances are fp32 math
-plus the rounding of the gradients' matmuls in the inputs' dtype (see ``_check``).
+plus the rounding of the gradients' matmuls in the inputs' dtype (see ``check_lm_head``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import IGNORE, check_message
+from helpers import (
+    IGNORE,
+    LM_HEAD_CASES,
+    LM_HEAD_DTYPES,
+    case_id,
+    check_lm_head,
+    check_message,
+    lm_head_backward,
+    lm_head_inputs,
+    lm_head_options,
+    lm_head_oracle,
+    lm_head_oracle_of,
+    lm_head_temperature,
+    run_lm_head,
+)
+from helpers import LMHeadCase as Case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -31,180 +45,20 @@ from compiled_logprob.lm_head import (
     lm_head_token_logprobs,
     lm_head_topk,
 )
-from compiled_logprob.testing.reference import oracle_log_softmax, oracle_logprobs, vocab_bounds
+from compiled_logprob.testing.reference import oracle_log_softmax, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    lead: tuple[int, ...] = (2,)
-    seq: int = 13
-    hidden: int = 24
-    vocab: int = 1003
-    dtype: str = "fp32"
-    chunk: int | None = 5
-    ignore: bool = False  # ~30% of the targets are IGNORE
-    temperature: float | str = 1.0  # or "rows" / "positions": see _temperature
-    k: int | None = None  # K target ids per position ([..., S, K]), else one ([..., S])
-    entropy: bool = True
-    scale: float = 1.0  # of the weight, so of the logits
-    seed: int = 0
-
-
-def _inputs(case: Case):
-    """hidden ``[*lead, S, H]``, full weight ``[V, H]`` (logits ~ N(0, 4)), targets and
-    float64 upstream gradients for the log-probs and the entropy."""
-    gen = torch.Generator().manual_seed(case.seed)
-    dtype = DTYPES[case.dtype]
-    shape = (*case.lead, case.seq)
-    ids_shape = shape if case.k is None else (*shape, case.k)
-    hidden = torch.randn(*shape, case.hidden, generator=gen).to(dtype)
-    weight = torch.randn(case.vocab, case.hidden, generator=gen) * 2 * case.scale / case.hidden**0.5
-    weight = weight.to(dtype)
-    target = torch.randint(0, case.vocab, ids_shape, generator=gen)
-    if case.ignore:
-        target = torch.where(torch.rand(ids_shape, generator=gen) < 0.3, IGNORE, target)
-    if case.k is not None:
-        target[..., 0, -1] = target[..., 0, 0]  # an id twice at one position
-        if case.ignore and case.seq > 1:
-            target[..., 1, :] = IGNORE  # a position whose every id is ignored
-    up_lp = torch.randn(ids_shape, generator=gen, dtype=torch.float64)
-    return hidden, weight, target, up_lp, torch.randn(shape, generator=gen, dtype=torch.float64)
-
-
-def _temperature(case: Case) -> float | torch.Tensor:
-    """The case's temperature as the entry points take it: a float, or fp32 temperatures in
-    [0.5, 1.5] of shape ``[*lead, 1]`` ("rows") or ``[*lead, S]`` ("positions")."""
-    if not isinstance(case.temperature, str):
-        return case.temperature
-    shape = (*case.lead, 1 if case.temperature == "rows" else case.seq)
-    return torch.linspace(0.5, 1.5, math.prod(shape)).view(shape)
-
-
-def _run(case: Case, rank: int, world: int, group, api=lm_head_token_logprobs) -> dict[str, torch.Tensor]:
-    """This rank's log-probs, entropy and gradients of ``Σ lp·up + Σ entropy·up'``."""
-    hidden, weight, target, up_lp, up_ent = _inputs(case)
-    lo, hi = vocab_bounds(case.vocab, world, rank)
-    hidden = hidden.requires_grad_()
-    weight = weight[lo:hi].clone().requires_grad_()
-    out = api(hidden, weight, target, group=group, **_options(case, lo))
-    return _backward(case, out, hidden, weight, up_lp, up_ent)
-
-
-def _options(case: Case, vocab_start: int) -> dict:
-    return dict(
-        vocab_start=vocab_start,
-        chunk_size=case.chunk,
-        ignore_index=IGNORE if case.ignore else None,
-        temperature=_temperature(case),
-        return_entropy=case.entropy,
-    )
-
-
-def _backward(case: Case, out, hidden, weight, up_lp, up_ent) -> dict[str, torch.Tensor]:
-    lp, ent = out if case.entropy else (out, torch.zeros(up_ent.shape))
-    ((lp.double() * up_lp).sum() + (ent.double() * up_ent).sum()).backward()
-    return {"lp": lp.detach(), "ent": ent.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
 
 
 def _worker_run(case: Case) -> dict[str, torch.Tensor]:
     with no_host_syncs():
-        return _run(case, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        return run_lm_head(case, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
 
 
-def _oracle(case: Case) -> dict[str, torch.Tensor]:
-    return _oracle_of(case, *_inputs(case))
-
-
-def _oracle_of(case: Case, hidden, weight, target, up_lp, up_ent) -> dict[str, torch.Tensor]:
-    """float64 outputs and gradients, plus the magnitudes the tolerances scale with."""
-    logits = (hidden @ weight.T).double().requires_grad_()
-    temperature = _temperature(case)
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.double().unsqueeze(-1)
-    z = logits / temperature
-    ignored = target == IGNORE if case.k is None else (target == IGNORE).all(-1)
-    lp = oracle_logprobs(z, target, IGNORE)
-    log_p = oracle_log_softmax(z)
-    ent = torch.where(ignored, 0.0, -(log_p.exp() * log_p).sum(-1)) if case.entropy else 0 * up_ent
-    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
-    grad_z = logits.grad.reshape(-1, case.vocab)
-    terms = _gradient_terms(case, log_p.detach(), ent.detach(), target, up_lp, up_ent)
-    terms = (terms / temperature).reshape(-1, case.vocab)
-    h64, w64 = hidden.double().reshape(-1, case.hidden), weight.double()
-    return {
-        "lp": lp,
-        "ent": ent,
-        "grad_h": (grad_z @ w64).view(hidden.shape),
-        "grad_w": grad_z.T @ h64,
-        "bound_h": (grad_z.abs() @ w64.abs()).view(hidden.shape),
-        "bound_w": grad_z.abs().T @ h64.abs(),
-        "terms_h": (terms @ w64.abs()).view(hidden.shape),
-        "terms_w": terms.T @ h64.abs(),
-        "zmax": z.abs().max().item(),
-    }
-
-
-def _gradient_terms(case: Case, log_p, ent, target, up_lp, up_ent) -> torch.Tensor:
-    """``[..., S, V]`` sum of the magnitudes of the terms of the gradient with respect to
-    ``z``, before they cancel: ``Σ_k |g_k| · onehot(t_k) + Σ_k |g_k| · p + |g_H| · p ·
-    (|log p| + H)``. Each is formed in fp32, so each carries fp32 error even where they sum
-    to 0 (one id that takes all the mass: a one-entry vocabulary, or logits x1000)."""
-    ids = target.unsqueeze(-1) if case.k is None else target
-    weights = (up_lp.unsqueeze(-1) if case.k is None else up_lp).abs()
-    weights = torch.where(ids == IGNORE, 0.0, weights)
-    onehot = torch.zeros_like(log_p).scatter_add_(-1, torch.where(ids == IGNORE, 0, ids), weights)
-    p = log_p.exp()
-    terms = onehot + weights.sum(-1, keepdim=True) * p
-    if case.entropy:
-        terms = terms + up_ent.abs().unsqueeze(-1) * (-torch.special.xlogy(p, p) + p * ent.unsqueeze(-1))
-    return terms
-
-
-def _check(case: Case, got: dict[str, torch.Tensor], want: dict, rank: int, world: int) -> None:
-    """Forward: fp32 math (error ∝ the logits' magnitude) plus one rounding of each logit in
-    the inputs' dtype (a matmul may block differently per tile). Gradients: fp32 math,
-    relative to the magnitudes of the terms that the gradient sums (``terms_*``), plus the
-    rounding of the logits' gradient and of each chunk's matmul product in the inputs'
-    dtype, each ≤ u·Σ|grad_z|·|operand| (``bound_*``)."""
-    u = torch.finfo(DTYPES[case.dtype]).eps / 2
-    fp32_math = 1e-5 * (1 + want["zmax"])
-    atol = fp32_math + 2 * u * want["zmax"]
-    for name in ("lp", "ent"):
-        assert got[name].dtype == torch.float32
-        torch.testing.assert_close(got[name].double(), want[name], rtol=0, atol=atol, msg=name)
-    lo, hi = vocab_bounds(case.vocab, world, rank)
-    for name, want_grad, bound, terms in (
-        ("grad_h", want["grad_h"], want["bound_h"], want["terms_h"]),
-        ("grad_w", want["grad_w"][lo:hi], want["bound_w"][lo:hi], want["terms_w"][lo:hi]),
-    ):
-        got_grad = got[name]
-        assert got_grad.dtype == DTYPES[case.dtype], name
-        err = (got_grad.double() - want_grad).abs()
-        tol = 4 * u * bound + fp32_math * terms + 1e-6
-        assert (err <= tol).all(), f"{name}: max error {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
-
-
-CASES = [
-    Case(),
-    Case(dtype="bf16"),
-    Case(ignore=True, temperature=0.7),
-    Case(dtype="bf16", ignore=True, temperature=1.3, chunk=None),
-    Case(ignore=True, temperature="positions"),
-    Case(dtype="bf16", temperature="rows", chunk=None),
-    Case(ignore=True, temperature="positions", k=3),
-    Case(lead=(1,), seq=7, chunk=3, entropy=False),
-    Case(lead=(2, 3), seq=6, vocab=517, hidden=8, chunk=4),
-]
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", LM_HEAD_CASES, ids=case_id)
 def test_single_process_matches_oracle(case):
     with no_host_syncs():
-        got = _run(case, 0, 1, None)
-    _check(case, got, _oracle(case), 0, 1)
+        got = run_lm_head(case, 0, 1, None)
+    check_lm_head(case, got, lm_head_oracle(case), 0, 1)
 
 
 @settings(max_examples=150, deadline=None)
@@ -213,7 +67,7 @@ def test_single_process_matches_oracle(case):
     seq=st.integers(1, 15),
     hidden=st.integers(1, 16),
     vocab=st.integers(1, 600),
-    dtype=st.sampled_from(sorted(DTYPES)),
+    dtype=st.sampled_from(sorted(LM_HEAD_DTYPES)),
     chunk=st.one_of(st.none(), st.integers(1, 6)),
     ignore=st.booleans(),
     temperature=st.sampled_from([1.0, 0.3, 2.5, "rows", "positions"]),
@@ -227,16 +81,16 @@ def test_matches_oracle_over_shapes(**fields):
     (float, per row, per position), K ids, ignored ids and logits x1000, single process."""
     case = Case(**fields)
     with no_host_syncs():
-        got = _run(case, 0, 1, None)
-    _check(case, got, _oracle(case), 0, 1)
+        got = run_lm_head(case, 0, 1, None)
+    check_lm_head(case, got, lm_head_oracle(case), 0, 1)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", CASES[:6], ids=str)
+@pytest.mark.parametrize("case", LM_HEAD_CASES[:6], ids=case_id)
 def test_tensor_parallel_matches_oracle(gloo_pool, world, case):
-    want = _oracle(case)
+    want = lm_head_oracle(case)
     for rank, got in enumerate(gloo_pool(world).run(_worker_run, case)):
-        _check(case, got, want, rank, world)
+        check_lm_head(case, got, want, rank, world)
 
 
 # --- lm_head_topk: the top k of each position, scored like K ids ---
@@ -251,13 +105,13 @@ TOPK_CASES = [
 
 def _run_topk(case: Case, rank: int, world: int, group, api=lm_head_topk):
     """This rank's top-k log-probs and ids, and the gradients of ``Σ lp·up``."""
-    hidden, weight, _, up_lp, up_ent = _inputs(case)
+    hidden, weight, _, up_lp, up_ent = lm_head_inputs(case)
     lo, hi = vocab_bounds(case.vocab, world, rank)
     hidden = hidden.requires_grad_()
     weight = weight[lo:hi].clone().requires_grad_()
-    options = dict(vocab_start=lo, chunk_size=case.chunk, temperature=_temperature(case))
+    options = dict(vocab_start=lo, chunk_size=case.chunk, temperature=lm_head_temperature(case))
     values, ids = api(hidden, weight, case.k, group=group, **options)
-    return _backward(case, values, hidden, weight, up_lp, up_ent), ids
+    return lm_head_backward(case, values, hidden, weight, up_lp, up_ent), ids
 
 
 def _worker_topk(case: Case):
@@ -268,21 +122,21 @@ def _worker_topk(case: Case):
 def _check_topk(case: Case, got: dict[str, torch.Tensor], ids: torch.Tensor, rank: int, world: int):
     """The ids are a top k of the float64 softmax (their log-probs its k largest, in order:
     ties may pick other ids), and log-probs and gradients are the oracle's at those ids."""
-    hidden, weight, _, up_lp, up_ent = _inputs(case)
+    hidden, weight, _, up_lp, up_ent = lm_head_inputs(case)
     assert ids.dtype == torch.int64 and ids.shape == (*case.lead, case.seq, case.k)
-    want = _oracle_of(case, hidden, weight, ids, up_lp, up_ent)
-    _check(case, got, want, rank, world)
+    want = lm_head_oracle_of(case, hidden, weight, ids, up_lp, up_ent)
+    check_lm_head(case, got, want, rank, world)
     logits = (hidden @ weight.T).double()
-    temperature = _temperature(case)
+    temperature = lm_head_temperature(case)
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.double().unsqueeze(-1)
     top = oracle_log_softmax(logits / temperature).topk(case.k).values
-    u = torch.finfo(DTYPES[case.dtype]).eps / 2
+    u = torch.finfo(LM_HEAD_DTYPES[case.dtype]).eps / 2
     atol = 1e-5 * (1 + want["zmax"]) + 2 * u * want["zmax"]
     torch.testing.assert_close(got["lp"].double(), top, rtol=0, atol=atol, msg="top-k values")
 
 
-@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+@pytest.mark.parametrize("case", TOPK_CASES, ids=case_id)
 def test_topk_single_process_matches_oracle(case):
     with no_host_syncs():
         got, ids = _run_topk(case, 0, 1, None)
@@ -296,7 +150,7 @@ def test_topk_single_process_matches_oracle(case):
     hidden=st.integers(1, 12),
     vocab=st.integers(1, 700),
     k=st.integers(1, 12),
-    dtype=st.sampled_from(sorted(DTYPES)),
+    dtype=st.sampled_from(sorted(LM_HEAD_DTYPES)),
     chunk=st.one_of(st.none(), st.integers(1, 4)),
     temperature=st.sampled_from([1.0, 0.3, "rows", "positions"]),
     scale=st.sampled_from([1.0, 1000.0]),
@@ -312,7 +166,7 @@ def test_topk_matches_oracle_over_shapes(**fields):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", TOPK_CASES[:2], ids=str)
+@pytest.mark.parametrize("case", TOPK_CASES[:2], ids=case_id)
 def test_topk_tensor_parallel_matches_oracle(gloo_pool, world, case):
     for rank, (got, ids) in enumerate(gloo_pool(world).run(_worker_topk, case)):
         _check_topk(case, got, ids, rank, world)
@@ -348,14 +202,16 @@ def _worker_compiled(case: Case, seqs: tuple[int, ...]) -> list[int]:
     before = counters["stats"]["unique_graphs"]
     for seq in seqs:
         args = (dataclasses.replace(case, seq=seq), dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
-        want, got = _run(*args), _run(*args, api=compiled)
+        want, got = run_lm_head(*args), run_lm_head(*args, api=compiled)
         for name in want:
             torch.testing.assert_close(got[name], want[name], msg=f"{name} at S={seq}")
     return counters["stats"]["unique_graphs"] - before
 
 
 @pytest.mark.parametrize(
-    "case", [Case(ignore=True, temperature=0.7), Case(ignore=True, temperature="positions", k=3)], ids=str
+    "case",
+    [Case(ignore=True, temperature=0.7), Case(ignore=True, temperature="positions", k=3)],
+    ids=case_id,
 )
 def test_compiled_matches_eager_without_recompiles(gloo_pool, case):
     graphs = gloo_pool(2).run(_worker_compiled, case, (13, 29, 40))
@@ -363,19 +219,19 @@ def test_compiled_matches_eager_without_recompiles(gloo_pool, case):
 
 
 def test_target_out_of_range_raises():
-    hidden, weight, target, _, _ = _inputs(Case())
+    hidden, weight, target, _, _ = lm_head_inputs(Case())
     with pytest.raises(RuntimeError, match="not owned by exactly one"):
         lm_head_token_logprobs(hidden, weight, torch.full_like(target, 1003))
 
 
 def _op_args(case: Case, requires_grad: bool):
-    hidden, weight, target, _, _ = _inputs(case)
+    hidden, weight, target, _, _ = lm_head_inputs(case)
     if case.ignore:
         target = torch.full_like(target, IGNORE)
     if case.k is None:
         target = target.unsqueeze(-1)  # the op takes [B, S, K] ids
     hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
-    temperature = _temperature(dataclasses.replace(case, temperature="positions"))
+    temperature = lm_head_temperature(dataclasses.replace(case, temperature="positions"))
     options = dict(vocab_start=0, ignore_index=IGNORE, chunk_size=case.chunk)
     return hidden, weight, target, temperature, options
 
@@ -408,7 +264,7 @@ def _opcheck_both(case: Case, group_name: str | None, topk: int = 0) -> None:
 def test_frozen_inputs_get_no_gradient_work():
     """A frozen LM head (or frozen hidden states) gets no gradient buffer: the backward forms
     only what autograd asks for, with the same values."""
-    hidden, weight, target, _, _ = _inputs(Case())
+    hidden, weight, target, _, _ = lm_head_inputs(Case())
     hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
     both = torch.autograd.grad(lm_head_token_logprobs(hidden, weight, target).sum(), [hidden, weight])
     for frozen, trained in ((weight, hidden), (hidden, weight)):
@@ -420,13 +276,15 @@ def test_frozen_inputs_get_no_gradient_work():
 
 
 @pytest.mark.parametrize(
-    "case", [Case(), Case(dtype="bf16", entropy=False, chunk=None), Case(k=3)], ids=str
+    "case", [Case(), Case(dtype="bf16", entropy=False, chunk=None), Case(k=3)], ids=case_id
 )
 def test_opcheck(case):
     _opcheck_both(case, None)
 
 
-@pytest.mark.parametrize("case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=str)
+@pytest.mark.parametrize(
+    "case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=case_id
+)
 def test_opcheck_topk(case):
     _opcheck_both(case, None, topk=5)
 
@@ -707,26 +565,27 @@ def _worker_cp(
 ) -> dict[str, torch.Tensor]:
     mesh = _mesh(tp, cp)
     tp_rank, cp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("cp")
-    hidden, weight, ids, _, _ = _inputs(case)
+    hidden, weight, ids, _, _ = lm_head_inputs(case)
     lo, hi = vocab_bounds(case.vocab, tp, tp_rank)
     lens = PACKED_LENS if _packed(case) else None
     hidden = _ref_shard(hidden, cp_rank, cp, -2, lens).requires_grad_()
     weight = weight[lo:hi].clone().requires_grad_()
-    options = dict(_options(case, lo), group=mesh.get_group("tp"), cp_group=mesh.get_group("cp"))
+    groups = dict(group=mesh.get_group("tp"), cp_group=mesh.get_group("cp"))
+    options = dict(lm_head_options(case, lo), **groups)
     with no_host_syncs() if check_syncs else contextlib.nullcontext():
         if lens is None:
             out = plain(hidden, weight, ids[..., :-1], **options)
         else:
             out = packed(hidden, weight, ids, _cu(), max_seqlen=max(PACKED_LENS), **options)
         shape = out[0].shape if case.entropy else out.shape
-        return _backward(case, out, hidden, weight, *_cp_upstream(case, shape))
+        return lm_head_backward(case, out, hidden, weight, *_cp_upstream(case, shape))
 
 
 def _cp_oracle(case: Case, cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
     """Forward: the float64 oracle of the full sequence in the output's layout. Gradients:
     the oracle of this CP rank's positions under ``cp`` times the upstream (every rank's loss
     is the same, and the CP gather's backward sums it over the CP ranks)."""
-    hidden, weight, ids, _, _ = _inputs(case)
+    hidden, weight, ids, _, _ = lm_head_inputs(case)
     lead, full_len = ids.shape[:-1], ids.shape[-1]
     if _packed(case):
         bounds = _cu().tolist()
@@ -755,8 +614,8 @@ def _cp_oracle(case: Case, cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
         rows = [F.pad(full[..., pos], (0, out_len - len(pos))) for pos in positions]
         return rows[0] if lens is None else torch.stack(rows, -2)[0]
 
-    whole = _oracle_of(case, hidden, weight, target, to_full(up_lp), to_full(up_ent))
-    mine = _oracle_of(
+    whole = lm_head_oracle_of(case, hidden, weight, target, to_full(up_lp), to_full(up_ent))
+    mine = lm_head_oracle_of(
         case,
         _ref_shard(hidden, cp_rank, cp, -2, lens),
         weight,
@@ -768,12 +627,12 @@ def _cp_oracle(case: Case, cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("grid", CP_GRIDS, ids=str)
-@pytest.mark.parametrize("case", CP_CASES, ids=str)
+@pytest.mark.parametrize("case", CP_CASES, ids=case_id)
 def test_context_parallel_matches_oracle(gloo_pool, grid, case):
     tp, cp = grid
     for rank, got in enumerate(gloo_pool(tp * cp).run(_worker_cp, case, tp, cp)):
         tp_rank, cp_rank = rank % tp, rank // tp
-        _check(case, got, _cp_oracle(case, cp, cp_rank), tp_rank, tp)
+        check_lm_head(case, got, _cp_oracle(case, cp, cp_rank), tp_rank, tp)
 
 
 def _worker_cp_compiled(seqs: tuple[int, ...]) -> int:
