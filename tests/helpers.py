@@ -16,6 +16,9 @@ conftest fixtures, the package and third-party libraries, never one another.
   :class:`NumericsCase` (``test_tp_numerics``), :class:`ExtrasCase` (``test_extras``),
   :class:`FilterCase` (``test_filtering``); and ``test_lm_head``'s :class:`LMHeadCase`,
   with :func:`run_lm_head`, :func:`lm_head_oracle` and :func:`check_lm_head`.
+* :data:`OPCHECK_CASES`: the ``torch.library.opcheck`` cases of every custom op, by its
+  qualified name; ``test_compile_contract`` runs them all and compares the names with the
+  ops the package registers.
   Test ids name every case class ``Case`` (:func:`case_id`).
 """
 
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import compiled_logprob as cl
+from compiled_logprob._math.topk import TOPK_BLOCK
 from compiled_logprob.lm_head import lm_head_token_logprobs
 from compiled_logprob.testing.multiprocess import property_in_lockstep
 from compiled_logprob.testing.reference import (
@@ -897,3 +901,228 @@ LM_HEAD_CASES = [
     LMHeadCase(lead=(1,), seq=7, chunk=3, entropy=False),
     LMHeadCase(lead=(2, 3), seq=6, vocab=517, hidden=8, chunk=4),
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# opcheck cases of every custom op, by the op's qualified name
+#
+# OPCHECK_CASES maps each op of the ``compiled_logprob`` namespace to a function
+# ``cases(dtype, group_name)`` that yields the op's ``(args, kwargs)`` in that dtype;
+# ``group_name`` is a two-rank fake process group's, for the cases that take a group.
+# test_compile_contract opchecks every entry in fp32 and bf16, and checks that the ops here
+# are exactly the ones the package registers. Ops are named by their qualified names and
+# called through ``torch.ops`` (:func:`custom_op`), whichever module defines them.
+
+_OPCHECK_BATCH = 2
+_OPCHECK_IGNORE = 3  # an id inside the vocabulary, so that ignoring it is what excludes it
+
+
+def custom_op(qualified_name: str) -> torch._ops.OpOverload:
+    """The default overload of an op, ``"namespace::name"``, through ``torch.ops``."""
+    namespace, name = qualified_name.split("::")
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def _op_inputs(seq_len: int = 5, vocab: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits ``[B, S, V]`` and targets ``[B, S]``, every other one ignored."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(_OPCHECK_BATCH, seq_len, vocab, generator=gen)
+    target = torch.randint(0, vocab, (_OPCHECK_BATCH, seq_len), generator=gen)
+    target[:, ::2] = _OPCHECK_IGNORE
+    return logits, target
+
+
+def _stats_cases(dtype: torch.dtype, group_name: str):
+    logits, target = _op_inputs()
+    targets = target.unsqueeze(-1)
+    two_targets = torch.cat([targets, targets.clamp(min=0).flip(1)], dim=-1)
+    # The fake group duplicates rows: no rank owns a target, so every one is ignored.
+    all_ignored = torch.full_like(targets, _OPCHECK_IGNORE)
+    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
+    # Wide enough for the top-k's block maxima (not the fallback to torch.topk), with a tail.
+    wide_logits, _ = _op_inputs(vocab=4 * 3 * TOPK_BLOCK + 5)
+    options = dict(
+        vocab_start=0,
+        group_name=None,
+        ignore_index=None,
+        with_entropy=False,
+        topk=0,
+        chunk_size=None,
+    )
+    entropy = {**options, "with_entropy": True}
+    chunked = {**options, "chunk_size": 2}
+    ignore = _OPCHECK_IGNORE
+    leaf = logits.to(dtype).requires_grad_()
+    wide = wide_logits.to(dtype).requires_grad_()
+    return [
+        ((leaf, targets, None), options),
+        ((leaf, None, None), options),
+        ((leaf, targets, None), {**options, "ignore_index": ignore}),
+        ((leaf, targets, None), chunked),
+        ((leaf, two_targets, temperature), {**chunked, "with_entropy": True}),
+        ((leaf, two_targets, temperature), {**entropy, "ignore_index": ignore}),
+        ((leaf, None, temperature), entropy),
+        ((leaf, all_ignored, None), {**entropy, "group_name": group_name, "ignore_index": ignore}),
+        ((leaf, None, None), {**options, "group_name": group_name}),
+        ((wide, None, temperature), {**chunked, "topk": 3}),
+        ((leaf, None, None), {**options, "topk": 7}),
+        ((leaf, None, None), {**entropy, "topk": 2, "group_name": group_name}),
+    ]
+
+
+def _stats_backward_cases(dtype: torch.dtype, group_name: str):
+    logits, target = _op_inputs()
+    targets = target.unsqueeze(-1)
+    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
+    shift = logits.amax(-1)
+    log_total = torch.logsumexp(logits, -1) - shift
+    threshold = logits.topk(3, dim=-1).values[..., -1]
+    gen = torch.Generator().manual_seed(1)
+    grad_log_total, grad_target_logit, grad_entropy, entropy = torch.randn(
+        4, *shift.shape, generator=gen
+    )
+    grad_target_logit = grad_target_logit.unsqueeze(-1)
+    z = logits.to(dtype)
+
+    def args(target, grad_entropy, temp, threshold=None):
+        k = 0 if target is None else 1
+        grads = (grad_log_total, grad_target_logit[..., :k], grad_entropy)
+        return (*grads, z, target, temp, shift, log_total, entropy, threshold)
+
+    options = dict(vocab_start=0, ignore_index=None, chunk_size=None)
+    ignore = _OPCHECK_IGNORE
+    return [
+        (args(targets, None, None), options),
+        (args(targets, None, None), {**options, "vocab_start": 2, "ignore_index": ignore}),
+        (args(None, None, None), {**options, "chunk_size": 2}),
+        (args(targets, grad_entropy, temperature), {**options, "ignore_index": ignore}),
+        (args(targets, None, temperature, threshold), {**options, "ignore_index": ignore}),
+    ]
+
+
+def _filtered_cases(dtype: torch.dtype, group_name: str):
+    logits, target = _op_inputs()
+    targets = target.unsqueeze(-1)
+    two_targets = torch.cat([targets, targets.flip(1)], dim=-1)
+    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
+    options = {
+        "vocab_start": 0,
+        "group_name": None,
+        "ignore_index": None,
+        "top_k": 3,
+        "top_p": 1.0,
+        "chunk_size": None,
+    }
+    top_p = {**options, "top_k": 7, "top_p": 0.8}
+    leaf = logits.to(dtype).requires_grad_()
+    return [
+        ((leaf, targets, None), options),
+        ((leaf, two_targets, temperature), {**top_p, "ignore_index": _OPCHECK_IGNORE}),
+        ((leaf, targets, temperature), {**top_p, "top_k": 2, "chunk_size": 2}),
+        ((leaf, targets, None), {**top_p, "group_name": group_name}),
+    ]
+
+
+def _cross_entropy_inputs(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits, teacher = 3 * torch.randn(2, 2, 5, 7, generator=gen)
+    temperature = torch.linspace(0.5, 2.0, 5).expand(2, 5)
+    return logits.to(dtype), teacher.to(dtype), temperature, gen
+
+
+def _cross_entropy_cases(dtype: torch.dtype, group_name: str):
+    logits, teacher, temperature, _ = _cross_entropy_inputs(dtype)
+    stats = {"group_name": None, "chunk_size": None}
+    x, y = logits.requires_grad_(), teacher.requires_grad_()
+    return [
+        ((x, y, None), stats),
+        ((x, y, temperature), {**stats, "chunk_size": 2}),
+        ((x, y.detach(), None), {**stats, "group_name": group_name}),
+    ]
+
+
+def _cross_entropy_backward_cases(dtype: torch.dtype, group_name: str):
+    x, y, temperature, gen = _cross_entropy_inputs(dtype)
+    stats = {"group_name": None, "chunk_size": None}
+    outputs = custom_op("compiled_logprob::cross_entropy_stats")(x, y, temperature, **stats)
+    grad = torch.randn(2, 5, generator=gen)
+    args = (grad, x, y, temperature, *outputs)
+    return [
+        (args, {"wrt_target": wrt_target, "chunk_size": 2 if wrt_target else None})
+        for wrt_target in (False, True)
+    ]
+
+
+# (case, top-k, with the fake group): the forward op of the case's targets (or of the top-k
+# with top-k > 0), and the backward op after it. With the group, the fake all-gather's
+# values are meaningless: the case ignores every target, or takes the top-k, so that the
+# ownership assertion does not depend on them.
+_LM_HEAD_OPCHECK = [
+    (LMHeadCase(), 0, False),
+    (LMHeadCase(dtype="bf16", entropy=False, chunk=None), 0, False),
+    (LMHeadCase(k=3), 0, False),
+    (LMHeadCase(), 5, False),
+    (LMHeadCase(dtype="bf16", entropy=False, chunk=None), 5, False),
+    (LMHeadCase(seq=6, chunk=4, ignore=True), 0, True),
+    (LMHeadCase(seq=6, chunk=4), 3, True),
+]
+
+
+def _lm_head_op_args(case: LMHeadCase, requires_grad: bool):
+    hidden, weight, target, _, _ = lm_head_inputs(case)
+    if case.ignore:
+        target = torch.full_like(target, IGNORE)
+    if case.k is None:
+        target = target.unsqueeze(-1)  # the op takes [B, S, K] ids
+    hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
+    temperature = lm_head_temperature(dataclasses.replace(case, temperature="positions"))
+    options = dict(vocab_start=0, ignore_index=IGNORE, chunk_size=case.chunk)
+    return hidden, weight, target, temperature, options
+
+
+def _lm_head_opcheck_inputs(dtype: torch.dtype, group_name: str):
+    """``(case, topk, (hidden, weight, target, temperature), options)`` of the forward op,
+    for each case of :data:`_LM_HEAD_OPCHECK` in ``dtype``."""
+    for case, topk, grouped in _LM_HEAD_OPCHECK:
+        if LM_HEAD_DTYPES[case.dtype] != dtype:
+            continue
+        hidden, weight, target, temperature, options = _lm_head_op_args(case, requires_grad=True)
+        options["group_name"] = group_name if grouped else None
+        yield case, topk, (hidden, weight, None if topk else target, temperature), options
+
+
+def _lm_head_cases(dtype: torch.dtype, group_name: str):
+    for case, topk, inputs, options in _lm_head_opcheck_inputs(dtype, group_name):
+        yield inputs, dict(options, with_entropy=case.entropy, topk=topk)
+
+
+def _lm_head_backward_cases(dtype: torch.dtype, group_name: str):
+    """The backward op after the forward, for each set of gradients autograd may ask for."""
+    for case, topk, inputs, options in _lm_head_opcheck_inputs(dtype, group_name):
+        hidden, weight, target, temperature = inputs
+        hidden, weight = hidden.detach(), weight.detach()
+        forward_options = dict(options, with_entropy=case.entropy, topk=topk)
+        shift, log_total, _, entropy, topk_ids = custom_op("compiled_logprob::lm_head_stats")(
+            hidden, weight, target, temperature, **forward_options
+        )
+        if topk:
+            target = topk_ids
+        grads = torch.randn(2, *shift.shape)
+        grad_entropy = grads[1] if case.entropy else None
+        grad_target_logit = torch.randn(target.shape)
+        args = (grads[0], grad_target_logit, grad_entropy, hidden, weight, target, temperature)
+        args += (shift, log_total, entropy)
+        for needs in ((True, True), (True, False), (False, True)):
+            flags = dict(zip(("needs_grad_hidden", "needs_grad_weight"), needs))
+            yield args, {**options, **flags}
+
+
+OPCHECK_CASES = {
+    "compiled_logprob::vocab_parallel_stats": _stats_cases,
+    "compiled_logprob::vocab_parallel_stats_backward": _stats_backward_cases,
+    "compiled_logprob::filtered_stats": _filtered_cases,
+    "compiled_logprob::cross_entropy_stats": _cross_entropy_cases,
+    "compiled_logprob::cross_entropy_backward": _cross_entropy_backward_cases,
+    "compiled_logprob::lm_head_stats": _lm_head_cases,
+    "compiled_logprob::lm_head_stats_backward": _lm_head_backward_cases,
+}

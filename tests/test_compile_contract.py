@@ -1,7 +1,7 @@
 """The compile contract of every public entry point and every custom op.
 
-* ``torch.library.opcheck`` on every op of the ``compiled_logprob`` namespace (a new op
-  without cases here fails the suite);
+* ``torch.library.opcheck`` on every op of the ``compiled_logprob`` namespace, with the
+  cases of ``helpers.OPCHECK_CASES`` (an op registered without cases there fails the suite);
 * ``torch.compile(fullgraph=True)`` forward and backward equal eager, unsharded and on TP=2
   gloo, on ``aot_eager`` and Inductor;
 * four sequence lengths compile at most twice (one static, one dynamic graph), forward and
@@ -18,7 +18,6 @@ compiled once per backend and shared by the tests through module-scoped fixtures
 from __future__ import annotations
 
 import importlib
-import pathlib
 import pkgutil
 import re
 from collections import Counter
@@ -28,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from helpers import OPCHECK_CASES, custom_op
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import (
@@ -41,9 +41,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compiled_logprob as cl
 from compiled_logprob import nemo_compat
-from compiled_logprob._math.topk import TOPK_BLOCK
-from compiled_logprob._ops import filtering as filtering_ops
-from compiled_logprob._ops import stats as stats_ops
 from compiled_logprob._torch_compat import all_gather_single
 from compiled_logprob.testing.reference import vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
@@ -540,133 +537,8 @@ def fake_group_name():
     dist.destroy_process_group()
 
 
-def _op_inputs(seq_len: int = 5, vocab: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits ``[B, S, V]`` and targets ``[B, S]``, every other one ``IGNORE``."""
-    gen = torch.Generator().manual_seed(0)
-    logits = 3 * torch.randn(BATCH, seq_len, vocab, generator=gen)
-    target = torch.randint(0, vocab, (BATCH, seq_len), generator=gen)
-    target[:, ::2] = IGNORE
-    return logits, target
-
-
-def _stats_cases():
-    """Cases ``(args, kwargs)`` for a forward stats op; ``"fake"`` marks the fake group."""
-    logits, target = _op_inputs()
-    targets = target.unsqueeze(-1)
-    two_targets = torch.cat([targets, targets.clamp(min=0).flip(1)], dim=-1)
-    all_ignored = torch.full_like(targets, IGNORE)  # the fake group duplicates rows: no owner
-    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
-    # Wide enough for the top-k's block maxima (not the fallback to torch.topk), with a tail.
-    wide_logits, _ = _op_inputs(vocab=4 * 3 * TOPK_BLOCK + 5)
-    options = dict(
-        vocab_start=0,
-        group_name=None,
-        ignore_index=None,
-        with_entropy=False,
-        topk=0,
-        chunk_size=None,
-    )
-    entropy = {**options, "with_entropy": True}
-    chunked = {**options, "chunk_size": 2}
-    cases = []
-    for dtype in (torch.float32, torch.bfloat16):
-        leaf = logits.to(dtype).requires_grad_()
-        wide = wide_logits.to(dtype).requires_grad_()
-        cases += [
-            ((leaf, targets, None), options),
-            ((leaf, None, None), options),
-            ((leaf, targets, None), {**options, "ignore_index": IGNORE}),
-            ((leaf, targets, None), chunked),
-            ((leaf, two_targets, temperature), {**chunked, "with_entropy": True}),
-            ((leaf, two_targets, temperature), {**entropy, "ignore_index": IGNORE}),
-            ((leaf, None, temperature), entropy),
-            ((leaf, all_ignored, None), {**entropy, "group_name": "fake", "ignore_index": IGNORE}),
-            ((leaf, None, None), {**options, "group_name": "fake"}),
-            ((wide, None, temperature), {**chunked, "topk": 3}),
-            ((leaf, None, None), {**options, "topk": 7}),
-            ((leaf, None, None), {**entropy, "topk": 2, "group_name": "fake"}),
-        ]
-    return cases
-
-
-def _backward_cases():
-    logits, target = _op_inputs()
-    targets = target.unsqueeze(-1)
-    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
-    shift = logits.amax(-1)
-    log_total = torch.logsumexp(logits, -1) - shift
-    threshold = logits.topk(3, dim=-1).values[..., -1]
-    gen = torch.Generator().manual_seed(1)
-    grad_log_total, grad_target_logit, grad_entropy, entropy = torch.randn(
-        4, *shift.shape, generator=gen
-    )
-    grad_target_logit = grad_target_logit.unsqueeze(-1)
-    cases = []
-    for dtype in (torch.float32, torch.bfloat16):
-        z = logits.to(dtype)
-
-        def args(target, grad_entropy, temp, threshold=None):
-            k = 0 if target is None else 1
-            grads = (grad_log_total, grad_target_logit[..., :k], grad_entropy)
-            return (*grads, z, target, temp, shift, log_total, entropy, threshold)
-
-        options = dict(vocab_start=0, ignore_index=None, chunk_size=None)
-        cases += [
-            (args(targets, None, None), options),
-            (args(targets, None, None), {**options, "vocab_start": 2, "ignore_index": IGNORE}),
-            (args(None, None, None), {**options, "chunk_size": 2}),
-            (args(targets, grad_entropy, temperature), {**options, "ignore_index": IGNORE}),
-            (args(targets, None, temperature, threshold), {**options, "ignore_index": IGNORE}),
-        ]
-    return cases
-
-
-def _filtered_cases():
-    logits, target = _op_inputs()
-    targets = target.unsqueeze(-1)
-    two_targets = torch.cat([targets, targets.flip(1)], dim=-1)
-    temperature = torch.linspace(0.5, 2.0, logits.shape[1]).expand(logits.shape[:-1])
-    options = {
-        "vocab_start": 0,
-        "group_name": None,
-        "ignore_index": None,
-        "top_k": 3,
-        "top_p": 1.0,
-        "chunk_size": None,
-    }
-    top_p = {**options, "top_k": 7, "top_p": 0.8}
-    cases = []
-    for dtype in (torch.float32, torch.bfloat16):
-        leaf = logits.to(dtype).requires_grad_()
-        cases += [
-            ((leaf, targets, None), options),
-            ((leaf, two_targets, temperature), {**top_p, "ignore_index": IGNORE}),
-            ((leaf, targets, temperature), {**top_p, "top_k": 2, "chunk_size": 2}),
-            ((leaf, targets, None), {**top_p, "group_name": "fake"}),
-        ]
-    return cases
-
-
-OPCHECK_CASES = {
-    "compiled_logprob::vocab_parallel_stats": (stats_ops.vocab_parallel_stats, _stats_cases),
-    "compiled_logprob::vocab_parallel_stats_backward": (
-        stats_ops.vocab_parallel_stats_backward,
-        _backward_cases,
-    ),
-    "compiled_logprob::filtered_stats": (filtering_ops.filtered_stats, _filtered_cases),
-}
-
-
-# Ops whose opcheck lives with their own tests: op -> that test file.
-OPCHECKED_ELSEWHERE = {
-    "compiled_logprob::lm_head_stats": "test_lm_head.py",
-    "compiled_logprob::lm_head_stats_backward": "test_lm_head.py",
-    "compiled_logprob::cross_entropy_stats": "test_cross_entropy.py",
-    "compiled_logprob::cross_entropy_backward": "test_cross_entropy.py",
-}
-
-
 def _registered_ops(namespace: str) -> set[str]:
+    """The ops of ``namespace`` in the dispatcher's registry, every package module imported."""
     for module in pkgutil.walk_packages(cl.__path__, "compiled_logprob."):
         importlib.import_module(module.name)
     names = torch._C._dispatch_get_all_op_names()
@@ -674,22 +546,20 @@ def _registered_ops(namespace: str) -> set[str]:
 
 
 def test_every_custom_op_has_opcheck_cases():
-    missing = _registered_ops("compiled_logprob") - set(OPCHECK_CASES) - set(OPCHECKED_ELSEWHERE)
-    assert not missing, f"ops without opcheck cases (add to OPCHECK_CASES): {sorted(missing)}"
-    for op_name, file_name in OPCHECKED_ELSEWHERE.items():
-        source = (pathlib.Path(__file__).parent / file_name).read_text()
-        short_name = op_name.split("::")[1]
-        covered = "opcheck(" in source and f".{short_name}," in source
-        assert covered, f"{file_name} does not opcheck {op_name}"
+    """The ops with opcheck cases (``helpers.OPCHECK_CASES``, all run by :func:`test_opcheck`)
+    are exactly the ops the package registers."""
+    registered = _registered_ops("compiled_logprob")
+    missing = registered - set(OPCHECK_CASES)
+    assert not missing, f"ops without opcheck cases (add to helpers.OPCHECK_CASES): {sorted(missing)}"
+    stale = set(OPCHECK_CASES) - registered
+    assert not stale, f"helpers.OPCHECK_CASES names ops the package does not register: {sorted(stale)}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op_name", sorted(OPCHECK_CASES))
-def test_opcheck(op_name, fake_group_name):
-    op, make_cases = OPCHECK_CASES[op_name]
-    for args, kwargs in make_cases():
-        if kwargs.get("group_name") == "fake":
-            kwargs = {**kwargs, "group_name": fake_group_name}
-        torch.library.opcheck(op, args, kwargs)
+def test_opcheck(op_name, dtype, fake_group_name):
+    for args, kwargs in OPCHECK_CASES[op_name](dtype, fake_group_name):
+        torch.library.opcheck(custom_op(op_name), args, kwargs)
 
 
 # --------------------------------------------------------------------------------------

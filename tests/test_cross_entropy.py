@@ -11,6 +11,8 @@ what is left is fp32 math on ``z = logits / T`` and the gradients' final roundin
 cross-entropy sums ``p · (max − z)``, each term exact to a few ulps of ``|z|``; the
 gradients ``(q − p) / T`` and ``p · (−log q − H) / T`` have exponentials whose arguments
 carry those same ulps of ``|z|``, relative to ``p`` and ``q``.
+
+The ops' opcheck cases are in ``helpers.OPCHECK_CASES`` (run by ``test_compile_contract``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import (
     DTYPES,
     FP32_EPS,
@@ -32,7 +33,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
-from compiled_logprob._ops import cross_entropy as _ops
 from compiled_logprob.testing.reference import oracle_cross_entropy, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -229,43 +229,7 @@ def test_property(gloo_pool):
     gloo_pool(3).run(_check_property, 30)
 
 
-# --- ops, host syncs, bad input -------------------------------------------------------------
-
-
-def _opcheck_cases(group_name: str):
-    gen = torch.Generator().manual_seed(0)
-    logits, teacher = 3 * torch.randn(2, 2, 5, 7, generator=gen)
-    temperature = torch.linspace(0.5, 2.0, 5).expand(2, 5)
-    stats = {"group_name": None, "chunk_size": None}
-    for dtype in (torch.float32, torch.bfloat16):
-        x = logits.to(dtype).requires_grad_()
-        y = teacher.to(dtype).requires_grad_()
-        yield _ops.cross_entropy_stats, (x, y, None), stats
-        yield _ops.cross_entropy_stats, (x, y, temperature), {**stats, "chunk_size": 2}
-        yield _ops.cross_entropy_stats, (x, y.detach(), None), {**stats, "group_name": group_name}
-        outputs = _ops.cross_entropy_stats(x.detach(), y.detach(), temperature, **stats)
-        grad = torch.randn(2, 5, generator=gen)
-        for wrt_target in (False, True):
-            args = (grad, x.detach(), y.detach(), temperature, *outputs)
-            yield (
-                _ops.cross_entropy_backward,
-                args,
-                {"wrt_target": wrt_target, "chunk_size": 2 if wrt_target else None},
-            )
-
-
-@pytest.fixture
-def fake_group_name():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
-def test_opcheck(fake_group_name):
-    for op, args, kwargs in _opcheck_cases(fake_group_name):
-        torch.library.opcheck(op, args, kwargs)
+# --- host syncs, bad input -------------------------------------------------------------
 
 
 def test_no_host_syncs():

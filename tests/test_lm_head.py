@@ -4,7 +4,9 @@ Every case builds the same hidden states, full LM-head weight and targets on eve
 seed); each rank takes its ``vocab_bounds`` slice of the weight. The oracle is
 ``log_softmax`` in float64 of the logits ``hidden @ weight.T`` *as rounded by a matmul in the
 inputs' dtype* (what the op itself computes per tile), so the tolerances are fp32 math
-plus the rounding of the gradients' matmuls in the inputs' dtype (see ``check_lm_head``).
+plus the rounding of the gradients' matmuls in the inputs' dtype (see
+``helpers.check_lm_head``). The ops' opcheck cases are in ``helpers.OPCHECK_CASES`` (run by
+``test_compile_contract``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
-from compiled_logprob._ops import lm_head as _lm_head_ops
 from compiled_logprob.lm_head import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
@@ -224,43 +225,6 @@ def test_target_out_of_range_raises():
         lm_head_token_logprobs(hidden, weight, torch.full_like(target, 1003))
 
 
-def _op_args(case: Case, requires_grad: bool):
-    hidden, weight, target, _, _ = lm_head_inputs(case)
-    if case.ignore:
-        target = torch.full_like(target, IGNORE)
-    if case.k is None:
-        target = target.unsqueeze(-1)  # the op takes [B, S, K] ids
-    hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
-    temperature = lm_head_temperature(dataclasses.replace(case, temperature="positions"))
-    options = dict(vocab_start=0, ignore_index=IGNORE, chunk_size=case.chunk)
-    return hidden, weight, target, temperature, options
-
-
-def _opcheck_both(case: Case, group_name: str | None, topk: int = 0) -> None:
-    """opcheck of the forward op (of ``case``'s targets, or with ``topk`` of the top-k) and of
-    the backward op for each set of gradients that autograd may ask for."""
-    hidden, weight, target, temperature, options = _op_args(case, requires_grad=True)
-    options["group_name"] = group_name
-    if topk:
-        target = None
-    forward_options = dict(options, with_entropy=case.entropy, topk=topk)
-    inputs = (hidden, weight, target, temperature)
-    torch.library.opcheck(_lm_head_ops.lm_head_stats, inputs, forward_options)
-    shift, log_total, _, entropy, topk_ids = _lm_head_ops.lm_head_stats(
-        hidden.detach(), weight.detach(), target, temperature, **forward_options
-    )
-    if topk:
-        target = topk_ids
-    grads = torch.randn(2, *shift.shape)
-    grad_entropy = grads[1] if case.entropy else None
-    grad_target_logit = torch.randn(target.shape)
-    args = (grads[0], grad_target_logit, grad_entropy, hidden.detach(), weight.detach(), target, temperature)
-    args += (shift, log_total, entropy)
-    for needs in ((True, True), (True, False), (False, True)):
-        flags = dict(zip(("needs_grad_hidden", "needs_grad_weight"), needs))
-        torch.library.opcheck(_lm_head_ops.lm_head_stats_backward, args, {**options, **flags})
-
-
 def test_frozen_inputs_get_no_gradient_work():
     """A frozen LM head (or frozen hidden states) gets no gradient buffer: the backward forms
     only what autograd asks for, with the same values."""
@@ -273,40 +237,6 @@ def test_frozen_inputs_get_no_gradient_work():
         (grad,) = torch.autograd.grad(out, trained)
         torch.testing.assert_close(grad, both[0] if trained is hidden else both[1], rtol=0, atol=0)
         frozen.requires_grad_(True)
-
-
-@pytest.mark.parametrize(
-    "case", [Case(), Case(dtype="bf16", entropy=False, chunk=None), Case(k=3)], ids=case_id
-)
-def test_opcheck(case):
-    _opcheck_both(case, None)
-
-
-@pytest.mark.parametrize(
-    "case", [Case(), Case(dtype="bf16", entropy=False, chunk=None)], ids=case_id
-)
-def test_opcheck_topk(case):
-    _opcheck_both(case, None, topk=5)
-
-
-@pytest.fixture
-def fake_group():
-    """A two-rank fake process group in this process: collectives trace and run, values
-    are meaningless (enough for opcheck)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-def test_opcheck_with_group(fake_group):
-    # The fake all-gather's values are meaningless: ignore every target so that the
-    # ownership assertion does not depend on them.
-    _opcheck_both(Case(seq=6, chunk=4, ignore=True), fake_group.group_name)
-    _opcheck_both(Case(seq=6, chunk=4), fake_group.group_name, topk=3)
 
 
 @pytest.mark.parametrize(
