@@ -8,6 +8,8 @@ sees them as graph nodes (and may overlap them), and no buffer is written in pla
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed as dist
 
@@ -18,6 +20,11 @@ from compiled_logprob._torch_compat import (
     resolve_process_group,
     wait_tensor,
 )
+
+if TYPE_CHECKING:
+    # torch's stubs type a group name as `GroupName`, a NewType of str. The names the ops
+    # pass are `ProcessGroup.group_name` strings, so a cast (a no-op, also under Dynamo) is exact.
+    from torch.distributed.distributed_c10d import GroupName
 
 
 def group_name(group: dist.ProcessGroup | None) -> str | None:
@@ -42,7 +49,7 @@ def group_name(group: dist.ProcessGroup | None) -> str | None:
 
 def size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(size, rank)`` of a validated group; ``(1, 0)`` for ``None`` or a group of one."""
-    if group_name(group) is None:
+    if group is None or group_name(group) is None:
         return 1, 0
     return group.size(), group.rank()
 
@@ -52,7 +59,7 @@ def named_size_rank(name: str | None) -> tuple[int, int]:
     only: Dynamo cannot trace the lookup (ops run it in their kernels and decompositions)."""
     if name is None:
         return 1, 0
-    group = resolve_process_group(name)
+    group = resolve_process_group(cast("GroupName", name))
     return group.size(), group.rank()
 
 
@@ -66,17 +73,17 @@ def gather_ranks(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
 def all_gather(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0, in rank order. Differentiable: the
     backward is one reduce-scatter (sum) of the gradient."""
-    return all_gather_single(tensor.contiguous(), 0, name)
+    return all_gather_single(tensor.contiguous(), 0, cast("GroupName", name))
 
 
 def all_reduce_sum(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     """``Σ_ranks tensor`` (``tensor`` itself for ``None``); not differentiable."""
     if name is None:
         return tensor
-    return wait_tensor(all_reduce(tensor, "sum", name))
+    return wait_tensor(all_reduce(tensor, "sum", cast("GroupName", name)))
 
 
 def all_to_all(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Rank ``r`` receives block ``r`` of every rank's ``tensor`` (dim 0 cut in ``R`` equal
     blocks), concatenated in rank order; not differentiable."""
-    return wait_tensor(all_to_all_single(tensor.contiguous(), None, None, name))
+    return wait_tensor(all_to_all_single(tensor.contiguous(), None, None, cast("GroupName", name)))

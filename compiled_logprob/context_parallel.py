@@ -86,7 +86,7 @@ def gather_context_parallel(
     each rank's shard receives the sum over the CP ranks of the gradients at its positions.
     """
     size, _ = _comm.size_rank(group)
-    if size == 1:
+    if group is None or size == 1:
         return tensor
     dim = _normalized_dim(tensor, dim)
     check_local_len(tensor.shape[dim], size, f"tensor of shape {tuple(tensor.shape)} (dim {dim})")
@@ -324,6 +324,6 @@ def cp_logprobs(
         temperature=local_temperature(temperature, scored.shape, lambda t: this_rank(t, 1)),
         return_entropy=return_entropy,
     )
-    group_name = None if size == 1 else cp_group.group_name
+    group_name = None if cp_group is None or size == 1 else cp_group.group_name
     result = layout.gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]
     return split_entropy(result, return_entropy)

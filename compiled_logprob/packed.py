@@ -194,7 +194,7 @@ def packed_cp_logprobs(
         ),
         return_entropy=return_entropy,
     )
-    group_name = None if size == 1 else cp_group.group_name
+    group_name = None if cp_group is None or size == 1 else cp_group.group_name
     packed = layout.gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
     packed = F.pad(packed, (0, 1))  # a 0 at T for the columns past a sequence (or T = 0)
 

@@ -70,7 +70,7 @@ def even_tp_shard(
     initialised), and rank r's shard starts at ``r · V_local``."""
     if isinstance(logits, DTensor):
         logits = logits.to_local()
-    if group_size(tp_group) == 1:
+    if tp_group is None or group_size(tp_group) == 1:
         return logits, None, 0
     return logits, tp_group, tp_group.rank() * logits.shape[-1]
 

@@ -18,7 +18,7 @@ def group_all_reduce_sum_with_grad(
     is the identity (each rank's own upstream gradient reaches its own ``x``, with no
     collective): for reductions whose every rank computes the same loss. ``x`` as it is for
     ``None``, a group of size 1 or without torch.distributed."""
-    if group_size(group) == 1:
+    if group is None or group_size(group) == 1:
         return x
     total = _comm.all_reduce_sum(x.detach(), group.group_name)
     return x + (total - x.detach())
@@ -104,7 +104,7 @@ def cp_load_balanced_to_contiguous(
     if isinstance(x, DTensor):
         x = x.to_local()
     size = group_size(cp_group)
-    if size == 1:
+    if cp_group is None or size == 1:
         return x
     full = context_parallel.gather_context_parallel(x, group=cp_group, dim=seq_dim)
     length = x.shape[seq_dim]
@@ -120,7 +120,7 @@ def cp_shift_next(
     gradient back; the rest is differentiable."""
     size = group_size(cp_group)
     following = torch.full_like(x[:, :1], fill)
-    if size > 1:
+    if cp_group is not None and size > 1:
         firsts = _comm.gather_ranks(x[:, :1].detach(), cp_group.group_name)
         rank = cp_group.rank()
         if rank + 1 < size:

@@ -96,7 +96,7 @@ class ChunkedDistributedLogprobWithSampling:
         inference_only: bool = False,
     ) -> torch.Tensor:
         """fp32 ``[B, S]`` filtered log-probs, as :class:`DistributedLogprobWithSampling`."""
-        rank = 0 if _comm.group_name(tp_group) is None else tp_group.rank()
+        rank = 0 if tp_group is None or _comm.group_name(tp_group) is None else tp_group.rank()
         logits = vocab_parallel_logits.detach() if inference_only else vocab_parallel_logits
         return core.token_logprobs(
             logits,
