@@ -86,7 +86,7 @@ def exchange_cross_entropy(
     cancels however large the logits are.
     """
     gathered = _comm.gather_ranks(stats, group_name)
-    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    inverse_t: float | torch.Tensor = 1.0 if temperature is None else 1.0 / temperature
     shift, mass, _ = common_shift(gathered[..., 0], gathered[..., 1], inverse_t)
     target_shift, target_mass, target_factor = common_shift(
         gathered[..., 2], gathered[..., 3], inverse_t
@@ -119,7 +119,7 @@ def grad_cross_entropy(
     scaling ``q − p``: traced, a ``[B, S, V_local]`` term free of ``g`` would let the
     partitioner compute it in the forward and save it.
     """
-    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    inverse_t: float | torch.Tensor = 1.0 if temperature is None else 1.0 / temperature
     row_scale = grad * inverse_t
 
     def exps(z, rows_shift, log_norm, factor, into):  # e^((z − shift) / T − log_norm) · factor

@@ -78,7 +78,9 @@ def filtered_stats(
     stats = _comm.gather_ranks(stats, group_name).flatten(0, 1)[:rows].view(batch, seq, -1)
     shift, log_norm, threshold = stats[..., 0], stats[..., 1], stats[..., 2]
     picked = stats[..., 3:]
-    inverse_t = 1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
+    inverse_t: float | torch.Tensor = (
+        1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
+    )
     target_logit = (picked - shift.unsqueeze(-1)) * inverse_t
     # Filtered out: log-prob -inf (a NaN row's comparisons are false: it stays NaN).
     target_logit = torch.where(picked < threshold.unsqueeze(-1), -INF, target_logit)
@@ -103,7 +105,7 @@ def _filter_rows(
     probable ids that reach ``top_p``. Neither sorts the row: top-k selects (block maxima),
     and top-p looks among the top k, or without a top-k finds its threshold digit by digit.
     """
-    inverse_t = 1.0 if temperature is None else 1.0 / temperature
+    inverse_t: float | torch.Tensor = 1.0 if temperature is None else 1.0 / temperature
     if top_k >= x.shape[-1]:
         shift = finite_or_zero(x.amax(-1, keepdim=True))
         z = (x - shift) * inverse_t

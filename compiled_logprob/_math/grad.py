@@ -8,7 +8,7 @@ With ``p = softmax(z)``: ``d log_norm/dz = p``, ``d target_logit_k/dz = onehot(t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -32,7 +32,11 @@ class RowGrads(NamedTuple):
     entropy: torch.Tensor | None  # [B, S], None when the entropy was not asked for
 
     def block(self, rows: slice) -> RowGrads:
-        return RowGrads(*(block_rows(t, rows) for t in self))
+        return RowGrads(
+            block_rows(self.log_norm, rows),
+            block_rows(self.target_logit, rows),
+            block_rows(self.entropy, rows),
+        )
 
 
 class RowStats(NamedTuple):
@@ -45,7 +49,13 @@ class RowStats(NamedTuple):
     threshold: torch.Tensor | None = None  # [B, S]: a filtered softmax keeps x >= threshold
 
     def block(self, rows: slice) -> RowStats:
-        return RowStats(*(block_rows(t, rows) for t in self))
+        return RowStats(
+            block_rows(self.shift, rows),
+            block_rows(self.log_norm, rows),
+            block_rows(self.temperature, rows),
+            block_rows(self.entropy, rows),
+            block_rows(self.threshold, rows),
+        )
 
 
 def grad_logits(
@@ -148,15 +158,17 @@ def softmax_terms(
     # Per-row factor of every term: 1 / (total · T).
     factor = torch.exp(-saved.log_norm) * (1.0 if temperature is None else 1.0 / temperature)
     scale = exponent_scale(temperature, ops)
+    # per_row gives a tensor for a tensor: the shift is one.
     if grads.entropy is None:
         shift, scale, coefficient = ops.per_row(saved.shift, scale, grads.log_norm * factor)
-        exponents = ops.scale(ops.minus(x, shift, into), scale)
+        exponents = ops.scale(ops.minus(x, cast(torch.Tensor, shift), into), scale)
         return ops.mul(ops.exp(exponents), coefficient)
+    assert saved.entropy is not None, "an entropy gradient needs the saved entropy"
     offset = grads.log_norm - grads.entropy * (saved.entropy - saved.log_norm)
     shift, scale, slope, intercept = ops.per_row(
         saved.shift, scale, grads.entropy * (-ops.unit) * factor, offset * factor
     )
-    exponents = ops.scale(ops.minus(x, shift, into), scale)
+    exponents = ops.scale(ops.minus(x, cast(torch.Tensor, shift), into), scale)
     # The floor keeps the weight finite, so that entries of p = 0 (-inf logits, vocabulary
     # padding) get 0 · weight = 0, not NaN.
     exponents = ops.clamp_min(exponents, EXPONENT_FLOOR)

@@ -10,7 +10,7 @@ in place and ``Traced`` functionally (docs/design.md, "Eager and traced passes")
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, overload
 
 import torch
 
@@ -254,6 +254,12 @@ def exponent_scale(temperature: torch.Tensor | None, ops: Traced) -> float | tor
     return 1.0 / ops.unit if temperature is None else (1.0 / ops.unit) / temperature
 
 
+@overload
+def block_rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor: ...
+@overload
+def block_rows(tensor: None, rows: slice) -> None: ...
+@overload
+def block_rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None: ...
 def block_rows(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     """The positions ``rows`` of a per-position ``[B, S, *]`` tensor (``None`` stays
     ``None``): an eager block's part."""

@@ -40,7 +40,8 @@ def cross_entropy_stats(
         ],
         dim=1,
     )
-    return tuple(_ce.exchange_cross_entropy(local, group_name, temperature))
+    result = _ce.exchange_cross_entropy(local, group_name, temperature)
+    return (*result,)  # the schema's plain tuple, not the NamedTuple
 
 
 @cross_entropy_stats.register_fake

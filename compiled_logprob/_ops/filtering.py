@@ -61,7 +61,8 @@ def filtered_stats(
         )
         for start in range(0, max(logits.shape[1], 1), step)
     ]
-    return tuple(torch.cat(parts, dim=1) for parts in zip(*blocks))
+    shift, log_norm, target_logit, threshold = (torch.cat(parts, dim=1) for parts in zip(*blocks))
+    return shift, log_norm, target_logit, threshold
 
 
 @filtered_stats.register_fake

@@ -124,17 +124,16 @@ def lm_head_stats(
             ops=Eager(tile.workspace, tile.spare),
         )
         parts.append(torch.cat([local, *candidates], dim=-1))
-    return tuple(
-        merge.exchange_stats(
-            torch.cat(parts, dim=1),
-            target,
-            group_name,
-            ignore_index,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            topk=topk,
-        )
+    result = merge.exchange_stats(
+        torch.cat(parts, dim=1),
+        target,
+        group_name,
+        ignore_index,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        topk=topk,
     )
+    return (*result,)  # the schema's plain tuple, not the NamedTuple
 
 
 @lm_head_stats.register_fake

@@ -68,17 +68,16 @@ def vocab_parallel_stats(
         ],
         dim=1,
     )
-    return tuple(
-        merge.exchange_stats(
-            torch.cat([local, *extra], dim=-1),
-            target,
-            group_name,
-            ignore_index,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            topk=topk,
-        )
+    result = merge.exchange_stats(
+        torch.cat([local, *extra], dim=-1),
+        target,
+        group_name,
+        ignore_index,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        topk=topk,
     )
+    return (*result,)  # the schema's plain tuple, not the NamedTuple
 
 
 @vocab_parallel_stats.register_fake
@@ -146,7 +145,13 @@ def vocab_parallel_stats_backward(
             vocab_start, ignore_index, ops=ops,
         )
         if one_hot is not None:
-            result = _grad.add_target_terms_(result, *(block_rows(t, block.rows) for t in one_hot))
+            index, grad_target, all_ignored = one_hot
+            result = _grad.add_target_terms_(
+                result,
+                block_rows(index, block.rows),
+                block_rows(grad_target, block.rows),
+                block_rows(all_ignored, block.rows),
+            )
         if result is not out:
             out.copy_(result)
     return grad
