@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import NamedTuple
+from typing import NamedTuple, SupportsIndex, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ def as_int(value: object, name: str, *, minimum: int | None = None) -> int:
             raise TypeError(
                 f"{name} must be an int, got {value!r:.80}" + hint * isinstance(value, torch.Tensor)
             )
-        value = operator.index(value)
+        value = operator.index(cast(SupportsIndex, value))  # its type has __index__
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if not -(2**63) <= value < 2**63:
@@ -110,11 +110,17 @@ def check_ignore_index(ignore_index: object, ids: torch.Tensor) -> None:
 TEMPERATURE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
 
+def is_real(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a real number (an int, a float, numpy's scalars), not a bool: one
+    that compares with floats as a float does."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def check_float_temperature(temperature: object, accepted: str) -> None:
     """A number ``temperature`` must be a normal finite fp32 one: the math divides by it in
     fp32, and its reciprocal must not overflow. ``accepted`` says what the caller takes.
     (Python compares a huge int with a float exactly: no OverflowError here.)"""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+    if not is_real(temperature):
         raise TypeError(f"temperature must be {accepted}, got {temperature!r:.80}")
     low, high = TEMPERATURE_RANGE
     if not low <= temperature <= high:
@@ -192,7 +198,7 @@ def filter_options(
     when they filter nothing."""
     if top_k is not None:
         top_k = as_int(top_k, "top_k", minimum=1)
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+    if not is_real(top_p):
         raise TypeError(f"top_p must be a float in (0, 1], got {top_p!r:.80}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 keeps every id), got {top_p!r}")

@@ -20,6 +20,8 @@ slice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -179,7 +181,9 @@ def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) 
 
 
 def local_temperature(
-    temperature: float | torch.Tensor, out_shape: torch.Size, select
+    temperature: float | torch.Tensor,
+    out_shape: tuple[int, ...],
+    select: Callable[[torch.Tensor], torch.Tensor],
 ) -> float | torch.Tensor:
     """A float as it is; a tensor broadcast to the output's positions ``out_shape``, then
     ``select``-ed down to this rank's logits positions."""

@@ -341,8 +341,9 @@ def vocab_parallel_log_softmax(
     opts = _validation.options(group=group, chunk_size=chunk_size)
     stats = _stats(logits.detach(), None, opts, temperature)
     temperature = _validation.fp32_temperature(temperature)
-    per_row = isinstance(temperature, torch.Tensor)
-    inverse_t = 1.0 / (temperature.unsqueeze(-1) if per_row else temperature)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.unsqueeze(-1)  # [..., S, 1]: one per row
+    inverse_t = 1.0 / temperature
     return log_softmax_shard(
         logits, stats.shift, stats.log_norm, inverse_t, opts.group_name, dtype or logits.dtype
     )

@@ -82,7 +82,7 @@ def check_2d(tensor: torch.Tensor, name: str, size: int, *, dim: int) -> tuple[i
             f"{name} must be 2-D with dim {dim} a multiple of the group size {size}, got shape "
             f"{tuple(tensor.shape)}"
         )
-    return tensor.shape
+    return tensor.shape[0], tensor.shape[1]
 
 
 def sharding_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
