@@ -21,6 +21,7 @@ slice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -209,6 +210,63 @@ def local_logprobs(local_fn, target, *, temperature, return_entropy) -> torch.Te
 
 def split_entropy(result: torch.Tensor, return_entropy: bool):
     return tuple(result.unbind(0)) if return_entropy else result
+
+
+@overload
+def context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def context_parallel_logprobs(

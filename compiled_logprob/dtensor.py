@@ -13,6 +13,8 @@ vocabulary slice.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
@@ -153,6 +155,54 @@ def local_logprobs(
         chunk_size=chunk_size,
         **options,
     )
+
+
+@overload
+def dtensor_logprobs(
+    logits: DTensor,
+    input_ids: torch.Tensor,
+    *,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def dtensor_logprobs(
+    logits: DTensor,
+    input_ids: torch.Tensor,
+    *,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def dtensor_logprobs(
+    logits: DTensor,
+    input_ids: torch.Tensor,
+    *,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def dtensor_logprobs(

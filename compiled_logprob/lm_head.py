@@ -17,6 +17,8 @@ Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
@@ -70,6 +72,51 @@ def _check_target(hidden: torch.Tensor, target: torch.Tensor, ignore_index: obje
             f"device {hidden.device}"
         )
     _validation.check_ignore_index(ignore_index, target)
+
+
+@overload
+def lm_head_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def lm_head_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def lm_head_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def lm_head_token_logprobs(
@@ -217,6 +264,60 @@ def _hidden_logprobs(
     return local_fn
 
 
+@overload
+def lm_head_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+    next_token: bool = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def lm_head_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+    next_token: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def lm_head_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    seq_index: torch.Tensor | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    next_token: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def lm_head_context_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -270,6 +371,63 @@ def lm_head_context_parallel_logprobs(
         next_token=next_token,
         name="hidden states",
     )
+
+
+@overload
+def lm_head_packed_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+    next_token: bool = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def lm_head_packed_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+    next_token: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def lm_head_packed_context_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    next_token: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def lm_head_packed_context_parallel_logprobs(

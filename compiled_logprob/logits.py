@@ -15,6 +15,8 @@ Top-k/top-p filtering needs whole rows: it adds one all-to-all of the logits.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
@@ -63,6 +65,54 @@ def _stats(
         stats.entropy.view(rows_shape),
         stats.topk_ids.view(*rows_shape, topk),
     )
+
+
+@overload
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def token_logprobs(

@@ -12,6 +12,8 @@ this rank's vocabulary slice.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -75,6 +77,66 @@ def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
             f"every padded sequence length in cu_seqlens_padded must be a multiple of "
             f"2 * cp_size = {2 * size}, so that it splits into equal load-balanced chunks",
         )
+
+
+@overload
+def packed_context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[False] = ...,
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def packed_context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: Literal[True],
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def packed_context_parallel_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    max_seqlen: int,
+    vocab_start: int = ...,
+    group: dist.ProcessGroup | None = ...,
+    cp_group: dist.ProcessGroup | None = ...,
+    chunk_size: int | None = ...,
+    ignore_index: int | None = ...,
+    temperature: float | torch.Tensor = ...,
+    return_entropy: bool = ...,
+    next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def packed_context_parallel_logprobs(
