@@ -3,6 +3,8 @@ settings, group sizes."""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -27,13 +29,20 @@ def this_shard(
     return (logits.detach() if inference_only else logits), vocab_start_index
 
 
-def filter_settings(top_k: int | None, top_p: float | None) -> dict:
+class FilterSettings(TypedDict):
+    """The keyword arguments ``top_k`` and ``top_p`` of the functional API's log-probs."""
+
+    top_k: int | None
+    top_p: float
+
+
+def filter_settings(top_k: int | None, top_p: float | None) -> FilterSettings:
     """NeMo-RL's filter settings as :func:`compiled_logprob.token_logprobs` takes them: its
     ``top_k`` of ``None``, 0 or -1 and ``top_p`` of ``None`` or 1.0 filter nothing."""
     return {"top_k": None if top_k in (-1, 0) else top_k, "top_p": 1.0 if top_p is None else top_p}
 
 
-def sampling_filter(sampling_params: object | None) -> dict:
+def sampling_filter(sampling_params: object | None) -> FilterSettings:
     """The ``top_k``/``top_p`` of ``sampling_params`` (NeMo-RL's ``TrainingSamplingParams``, or
     ``None``). Its ``temperature`` is not read, as NeMo-RL's functions here do not read it:
     their callers divide the logits by it."""

@@ -3,6 +3,8 @@ student's and teacher's log-probs at the teacher's top-k."""
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -68,6 +70,45 @@ def gather_logits_at_global_indices(
     return context_parallel.gather_natural(picked, seq_len, cp_group)
 
 
+@overload
+def get_distillation_topk_logprobs_from_logits(
+    student_logits: torch.Tensor,
+    teacher_topk_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    zero_outside_topk: bool,
+    calculate_entropy: Literal[False],
+    vocab_parallel_rank: int | None = ...,
+    vocab_parallel_group: dist.ProcessGroup | None = ...,
+    context_parallel_group: dist.ProcessGroup | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor, None]: ...
+
+
+@overload
+def get_distillation_topk_logprobs_from_logits(
+    student_logits: torch.Tensor,
+    teacher_topk_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    zero_outside_topk: bool,
+    calculate_entropy: Literal[True],
+    vocab_parallel_rank: int | None = ...,
+    vocab_parallel_group: dist.ProcessGroup | None = ...,
+    context_parallel_group: dist.ProcessGroup | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def get_distillation_topk_logprobs_from_logits(
+    student_logits: torch.Tensor,
+    teacher_topk_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    zero_outside_topk: bool,
+    calculate_entropy: bool,
+    vocab_parallel_rank: int | None = ...,
+    vocab_parallel_group: dist.ProcessGroup | None = ...,
+    context_parallel_group: dist.ProcessGroup | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
 def get_distillation_topk_logprobs_from_logits(
     student_logits: torch.Tensor,
     teacher_topk_logits: torch.Tensor,
@@ -121,12 +162,13 @@ def get_distillation_topk_logprobs_from_logits(
     entropy = None
     if zero_outside_topk:
         local = context_parallel.shard_natural(ids, logits.shape[1], cp_group)
-        student = core.token_logprobs(
-            logits, local, vocab_start=start, group=group, return_entropy=calculate_entropy
-        )
         if calculate_entropy:
-            student, entropy = student
-            entropy = -context_parallel.gather_natural(entropy, seq_len, cp_group)[:, :-1]
+            student, local_entropy = core.token_logprobs(
+                logits, local, vocab_start=start, group=group, return_entropy=True
+            )
+            entropy = -context_parallel.gather_natural(local_entropy, seq_len, cp_group)[:, :-1]
+        else:
+            student = core.token_logprobs(logits, local, vocab_start=start, group=group)
         student = context_parallel.gather_natural(student, seq_len, cp_group)
     else:
         student = gather_logits_at_global_indices(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -130,7 +132,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         vocab_parallel_logits, target, vocab_start=start, group=group, chunk_size=chunk_size,
         ignore_index=None, return_entropy=False, **sampling,
     )
-    return packed.packed_cp_logprobs(
+    result = packed.packed_cp_logprobs(
         local_fn,
         vocab_parallel_logits,
         target,
@@ -143,6 +145,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         name="logits",
         pre_rolled=True,
     )
+    return cast(torch.Tensor, result)  # the log-probs alone: no return_entropy
 
 
 def dtensor_from_parallel_logits_to_logprobs(
@@ -165,7 +168,7 @@ def dtensor_from_parallel_logits_to_logprobs(
     vocab_parallel_logits, start = this_shard(
         vocab_parallel_logits, vocab_start_index, vocab_end_index, inference_only
     )
-    return dtensor.local_logprobs(
+    result = dtensor.local_logprobs(
         vocab_parallel_logits,
         target,
         start,
@@ -175,6 +178,7 @@ def dtensor_from_parallel_logits_to_logprobs(
         next_token=shift_targets,
         **sampling_filter(sampling_params),
     )
+    return cast(torch.Tensor, result)  # the log-probs alone: no return_entropy
 
 
 def get_logprobs_from_vocab_parallel_logits(
