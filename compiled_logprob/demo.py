@@ -526,7 +526,7 @@ def run_rank(options: Options, launched: float | None = None, up: str | None = N
         loss_fns["compiled"] = torch.compile(sharded_policy_loss, fullgraph=True)
     tol = tolerance(options)
     worst = {mode: [0.0, 0.0, 0.0] for mode in loss_fns}
-    seconds = {mode: [] for mode in loss_fns}
+    seconds: dict[str, list[float]] = {mode: [] for mode in loss_fns}
     ok = True
     for step in range(options.steps):
         first = is_rank0 and step == 0
@@ -554,7 +554,7 @@ def run_rank(options: Options, launched: float | None = None, up: str | None = N
         ok = ok and step_ok
         with torch.no_grad():  # SGD with the gradients of the last mode run
             for name, param in model.named_parameters():
-                param -= options.lr * synced[name]
+                param.sub_(options.lr * synced[name])
         if is_rank0:
             progress(step + 1, options, step_worst, step_ok)
 
@@ -565,8 +565,7 @@ def run_rank(options: Options, launched: float | None = None, up: str | None = N
         times.append((slowest[0], statistics.median(slowest[1:]) if len(slowest) > 1 else None))
     (peak_rss,) = world_max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss])
     if is_rank0:
-        modes, errors = list(worst), list(worst.values())
-        print_report(options, modes, errors, times, collectives, peak_rss, ok)
+        print_report(options, list(worst), list(worst.values()), times, collectives, peak_rss, ok)
     return ok
 
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 __all__ = ["GlooPool", "WorkerError", "default_timeout", "property_in_lockstep"]
@@ -108,7 +109,7 @@ class GlooPool:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
         self.world_size = world_size
         self.timeout = timeout
-        self._processes: list[mp.Process] = []
+        self._processes: list[BaseProcess] = []
         self._start()
 
     def _start(self) -> None:

@@ -147,7 +147,9 @@ def vocab_bounds(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]
     return start, start + base + (rank < extra)
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None):
+def _all_reduce(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     if group is not None and group.size() > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
