@@ -6,6 +6,8 @@ themselves across shards), ``context_parallel`` and ``packed`` (next-token log-p
 CP ranks), ``dtensor``, and ``lm_head`` (from hidden states, no logits). NeMo-RL's names live in :mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
 """
 
+from typing import TYPE_CHECKING
+
 # First: an old torch is refused before any op is registered.
 from compiled_logprob import _torch_compat  # noqa: F401  isort: skip
 from compiled_logprob.context_parallel import (
@@ -60,19 +62,22 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """NeMo-RL's drop-in names from the top level, for one more release, with a warning."""
-    import importlib
+# Hidden from type checkers: a module __getattr__ would type every misspelt name as Any.
+if not TYPE_CHECKING:
 
-    nemo_compat = importlib.import_module("compiled_logprob.nemo_compat")
-    if name in nemo_compat.__all__ and name not in __all__:
-        import warnings
+    def __getattr__(name: str):
+        """NeMo-RL's drop-in names from the top level, for one more release, with a warning."""
+        import importlib
 
-        warnings.warn(
-            f"compiled_logprob.{name} is deprecated: import it from compiled_logprob.nemo_compat "
-            "(which mirrors nemo_rl.distributed.model_utils)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(nemo_compat, name)
-    raise AttributeError(f"module 'compiled_logprob' has no attribute {name!r}")
+        nemo_compat = importlib.import_module("compiled_logprob.nemo_compat")
+        if name in nemo_compat.__all__ and name not in __all__:
+            import warnings
+
+            warnings.warn(
+                f"compiled_logprob.{name} is deprecated: import it from compiled_logprob.nemo_compat "
+                "(which mirrors nemo_rl.distributed.model_utils)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(nemo_compat, name)
+        raise AttributeError(f"module 'compiled_logprob' has no attribute {name!r}")
