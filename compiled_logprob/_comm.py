@@ -63,11 +63,16 @@ def named_size_rank(name: str | None) -> tuple[int, int]:
     return group.size(), group.rank()
 
 
-def gather_ranks(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-    """Every rank's ``tensor`` ``[B, ...]`` stacked as ``[R, B, ...]`` (one all-gather)."""
+def gather_ranks(tensor: torch.Tensor, name: str | None, size: int | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` ``[B, ...]`` stacked as ``[R, B, ...]`` (one all-gather).
+    ``size``: the group's, when the caller has it; otherwise it is looked up by name, which
+    Dynamo cannot trace (ops and their decompositions may)."""
     if name is None:
         return tensor.unsqueeze(0)
-    return all_gather(tensor, name).unflatten(0, (-1, tensor.shape[0]))
+    if size is None:
+        size = named_size_rank(name)[0]
+    # The size, not -1: an empty batch (B = 0) leaves -1 undetermined.
+    return all_gather(tensor, name).view(size, *tensor.shape)
 
 
 def all_gather(tensor: torch.Tensor, name: str) -> torch.Tensor:

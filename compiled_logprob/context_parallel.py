@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from compiled_logprob import _comm, _validation, logits as _logits
-from compiled_logprob._math import layout
+from compiled_logprob._math import layout, merge
 from compiled_logprob._math.kernels import assert_async
 
 __all__ = [
@@ -201,15 +201,39 @@ def local_temperature(
     return select(per_position)
 
 
-def local_logprobs(local_fn, target, *, temperature, return_entropy) -> torch.Tensor:
-    """``local_fn`` of this rank's positions, ``[..., L]``; with ``return_entropy`` the
-    log-probs and the entropy stacked as ``[2, ..., L]``, so one collective moves both."""
-    out = local_fn(target, temperature=temperature, return_entropy=return_entropy)
-    return torch.stack(out) if return_entropy else out
+def local_logprobs(
+    local_fn, target, *, temperature, return_entropy, problems: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``local_fn`` of this rank's positions, its log-probs, entropy (with
+    ``return_entropy``) and verdict stacked as ``[n, ..., L]``, so that one collective moves
+    them all and every CP rank checks every rank's verdict. ``problems``: verdict bits of
+    this call's own (replicated) inputs, added to every position's."""
+    scored = local_fn(target, temperature=temperature, return_entropy=return_entropy)
+    verdict = scored.verdict if problems is None else scored.verdict + problems
+    entropy = [scored.entropy] if return_entropy else []
+    return torch.stack([scored.logprobs, *entropy, verdict])
 
 
-def split_entropy(result: torch.Tensor, return_entropy: bool):
-    return tuple(result.unbind(0)) if return_entropy else result
+def checked(gathered: torch.Tensor) -> list[torch.Tensor]:
+    """The values of :func:`local_logprobs`' ``[n, ...]`` once gathered, after the verdict of
+    every position is asserted on the device: every CP rank raises the same error."""
+    *values, verdict = gathered.unbind(0)
+    merge.assert_verdict(verdict)
+    return values
+
+
+def gather_checked(
+    values: torch.Tensor, verdict: torch.Tensor, seq_len: int, cp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """:func:`gather_natural` of ``values`` ``[B, L, K]``, with their ``verdict`` ``[B, L]``
+    asserted on every CP rank after the gather (so that all raise together)."""
+    both = gather_natural(torch.cat([values, verdict.unsqueeze(-1)], dim=-1), seq_len, cp_group)
+    merge.assert_verdict(both[..., -1])
+    return both[..., :-1]
+
+
+def split_entropy(values: list[torch.Tensor]):
+    return tuple(values) if len(values) > 1 else values[0]
 
 
 @overload
@@ -388,4 +412,4 @@ def cp_logprobs(
     )
     group_name = None if cp_group is None or size == 1 else cp_group.group_name
     result = layout.gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]
-    return split_entropy(result, return_entropy)
+    return split_entropy(checked(result))

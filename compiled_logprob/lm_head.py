@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from compiled_logprob import _validation, context_parallel, logits as _logits, packed
+from compiled_logprob._math import merge
 from compiled_logprob._ops.lm_head import lm_head_stats_of
 from compiled_logprob._validation import Options
 
@@ -171,7 +172,7 @@ def lm_head_token_logprobs(
     opts = _validation.options(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
-    return _lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy)
+    return _logits.finish(_lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy))
 
 
 def _lm_head_logprobs(
@@ -181,8 +182,8 @@ def _lm_head_logprobs(
     options: Options,
     temperature: float | torch.Tensor,
     return_entropy: bool,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`lm_head_token_logprobs` of validated arguments."""
+) -> _logits.Scored:
+    """:func:`lm_head_token_logprobs` of validated arguments, its verdict not yet checked."""
     per_position = target.dim() == hidden.dim() - 1
     ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
     stats = lm_head_stats_of(
@@ -194,10 +195,7 @@ def _lm_head_logprobs(
         with_entropy=return_entropy,
         topk=0,
     )
-    return _logits.logprob_outputs(
-        stats.target_logit, stats.log_norm, stats.entropy, target, per_position,
-        options.ignore_index, return_entropy,
-    )
+    return _logits.logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
 
 
 def lm_head_topk(
@@ -242,6 +240,7 @@ def lm_head_topk(
         with_entropy=False,
         topk=k,
     )
+    merge.assert_verdict(stats.verdict)
     logprobs = stats.target_logit - stats.log_norm.unsqueeze(-1)
     return logprobs.view(*positions, k), stats.topk_ids.view(*positions, k)
 

@@ -15,12 +15,13 @@ Top-k/top-p filtering needs whole rows: it adds one all-to-all of the logits.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Literal, NamedTuple, overload
 
 import torch
 import torch.distributed as dist
 
 from compiled_logprob import _validation
+from compiled_logprob._math import merge
 from compiled_logprob._math.merge import Stats
 from compiled_logprob._ops.cross_entropy import cross_entropy_of
 from compiled_logprob._ops.filtering import filtered_stats_of
@@ -64,6 +65,7 @@ def _stats(
         stats.target_logit.view(*rows_shape, stats.target_logit.shape[-1]),
         stats.entropy.view(rows_shape),
         stats.topk_ids.view(*rows_shape, topk),
+        stats.verdict.view(rows_shape),
     )
 
 
@@ -174,7 +176,25 @@ def token_logprobs(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
     filtering = _validation.filter_options(top_k, top_p, logits, opts, group, return_entropy)
-    return _token_logprobs(logits, target, opts, temperature, return_entropy, filtering)
+    return finish(_token_logprobs(logits, target, opts, temperature, return_entropy, filtering))
+
+
+class Scored(NamedTuple):
+    """A token log-prob call's results on this rank's positions, before its verdict is
+    checked: :func:`finish` checks it at once; the context-parallel entry points check it
+    after their gather, so that every CP rank raises together."""
+
+    logprobs: torch.Tensor  # fp32, the target's shape
+    entropy: torch.Tensor | None  # fp32 [..., S] with return_entropy
+    verdict: torch.Tensor  # fp32 [..., S] problem bits (_math.merge.PROBLEMS)
+
+
+def finish(scored: Scored) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The public results of ``scored`` once its verdict is asserted (on the device)."""
+    merge.assert_verdict(scored.verdict)
+    if scored.entropy is None:
+        return scored.logprobs
+    return scored.logprobs, scored.entropy
 
 
 def _token_logprobs(
@@ -184,44 +204,43 @@ def _token_logprobs(
     temperature: float | torch.Tensor,
     return_entropy: bool,
     filtering: tuple[int, float] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> Scored:
     """:func:`token_logprobs` of validated arguments (the context-parallel entry points call
     it for their local positions)."""
     per_position = target.dim() == logits.dim() - 1
     ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
+    positions = logits.shape[:-1]
     if filtering is not None:
-        return _filtered_logprobs(logits, ids, options, temperature, *filtering).view(target.shape)
+        logprobs, verdict = _filtered_logprobs(logits, ids, options, temperature, *filtering)
+        return Scored(logprobs.view(target.shape), None, verdict.view(positions))
     stats = _stats(logits, ids, options, temperature, with_entropy=return_entropy)
-    return logprob_outputs(
-        stats.target_logit, stats.log_norm, stats.entropy, target, per_position,
-        options.ignore_index, return_entropy,
-    )
+    return logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
 
 
 def logprob_outputs(
-    target_logit: torch.Tensor,
-    log_norm: torch.Tensor,
-    entropy: torch.Tensor,
+    stats: Stats,
     target: torch.Tensor,
     per_position: bool,
     ignore_index: int | None,
     return_entropy: bool,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> Scored:
     """The log-probs of ``target`` (``[..., S]``, ``per_position``, or ``[..., S, K]``; 0
     where ignored) and, with ``return_entropy``, the entropy ``[..., S]`` (0 where every id
-    of a position is ignored), from the statistics ``target_logit`` ``[*, K]``, ``log_norm``
-    and ``entropy`` ``[*]`` over the same positions, in any leading shape."""
-    logprobs = (target_logit - log_norm.unsqueeze(-1)).view(target.shape)
+    of a position is ignored), from the ``stats`` (``target_logit`` ``[*, K]``, the rest
+    ``[*]``) over the same positions, in any leading shape."""
+    positions = target.shape if per_position else target.shape[:-1]
+    logprobs = (stats.target_logit - stats.log_norm.unsqueeze(-1)).view(target.shape)
+    verdict = stats.verdict.view(positions)
     if ignore_index is not None:
         logprobs = torch.where(target == ignore_index, 0.0, logprobs)
     if not return_entropy:
-        return logprobs
-    entropy = entropy.view(target.shape if per_position else target.shape[:-1])
+        return Scored(logprobs, None, verdict)
+    entropy = stats.entropy.view(positions)
     if ignore_index is not None and (per_position or target.shape[-1]):
         # Positions whose every id is ignored (K = 0 ids ignore nothing).
         ignored = target == ignore_index
         entropy = torch.where(ignored if per_position else ignored.all(-1), 0.0, entropy)
-    return logprobs, entropy
+    return Scored(logprobs, entropy, verdict)
 
 
 def _filtered_logprobs(
@@ -231,8 +250,9 @@ def _filtered_logprobs(
     temperature: float | torch.Tensor,
     top_k: int,
     top_p: float,
-) -> torch.Tensor:
-    """Validated :func:`token_logprobs` with filtering, of ``target`` ``[..., S, K]``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated :func:`token_logprobs` with filtering, of ``target`` ``[..., S, K]``:
+    ``(logprobs, verdict)``, batched."""
     batched_target = _validation.as_batch(target, 2)
     stats = filtered_stats_of(
         _validation.as_batch(logits, 2),
@@ -250,7 +270,7 @@ def _filtered_logprobs(
     )
     if options.ignore_index is not None:
         logprobs = torch.where(batched_target == options.ignore_index, 0.0, logprobs)
-    return logprobs
+    return logprobs, stats.verdict
 
 
 def vocab_parallel_logsumexp(
@@ -267,6 +287,7 @@ def vocab_parallel_logsumexp(
     _validation.check_logits(logits)
     opts = _validation.options(group=group, chunk_size=chunk_size)
     stats = _stats(logits, None, opts, temperature)
+    merge.assert_verdict(stats.verdict)
     return stats.shift / _validation.fp32_temperature(temperature) + stats.log_norm
 
 
@@ -284,7 +305,9 @@ def vocab_parallel_entropy(
     """
     _validation.check_logits(logits)
     opts = _validation.options(group=group, chunk_size=chunk_size)
-    return _stats(logits, None, opts, temperature, with_entropy=True).entropy
+    stats = _stats(logits, None, opts, temperature, with_entropy=True)
+    merge.assert_verdict(stats.verdict)
+    return stats.entropy
 
 
 def vocab_parallel_cross_entropy(
@@ -363,6 +386,7 @@ def vocab_parallel_topk(
     opts = _validation.options(vocab_start=vocab_start, group=group, chunk_size=chunk_size)
     k = _validation.check_topk(k, opts.vocab_start, logits.shape[-1])
     stats = _stats(logits, None, opts, temperature, topk=k)
+    merge.assert_verdict(stats.verdict)
     return stats.target_logit - stats.log_norm.unsqueeze(-1), stats.topk_ids
 
 
@@ -390,6 +414,7 @@ def vocab_parallel_log_softmax(
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     opts = _validation.options(group=group, chunk_size=chunk_size)
     stats = _stats(logits.detach(), None, opts, temperature)
+    merge.assert_verdict(stats.verdict)
     temperature = _validation.fp32_temperature(temperature)
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.unsqueeze(-1)  # [..., S, 1]: one per row

@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from compiled_logprob import _comm, _validation, context_parallel
-from compiled_logprob._math import layout
-from compiled_logprob._math.kernels import assert_async
+from compiled_logprob._math import layout, merge
 
 __all__ = ["packed_context_parallel_logprobs"]
 
@@ -62,21 +61,15 @@ def _check_packed(
     return _validation.as_int(max_seqlen, "unpacked_seqlen/max_seqlen", minimum=1)
 
 
-def _assert_packing(cu: torch.Tensor, total: int, size: int) -> None:
-    """Checked on the device (no host sync): the values of ``cu_seqlens_padded``."""
+def _packing_problems(cu: torch.Tensor, total: int, size: int) -> torch.Tensor:
+    """The verdict bits of ``cu_seqlens_padded``'s values, computed on the device (no host
+    sync) and checked after the CP gather, so that every CP rank raises together even where
+    only one holds a malformed copy: it must start at 0, never decrease, end at ``total`` and,
+    under CP, split into equal load-balanced chunks."""
     well_formed = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
-    assert_async(
-        well_formed,
-        # No T in the message: formatting a dynamic size would specialise the graph on it.
-        "cu_seqlens_padded must start at 0, never decrease and end at T, the packed row's "
-        "length (input_ids.shape[-1])",
-    )
     if size > 1:
-        assert_async(
-            (cu % (2 * size) == 0).all(),
-            f"every padded sequence length in cu_seqlens_padded must be a multiple of "
-            f"2 * cp_size = {2 * size}, so that it splits into equal load-balanced chunks",
-        )
+        well_formed = well_formed & (cu % (2 * size) == 0).all()
+    return (~well_formed).float() * merge.BAD_PACKING
 
 
 @overload
@@ -227,7 +220,7 @@ def packed_cp_logprobs(
     total = size * local_len
     batch = cu_seqlens_padded.numel() - 1
     cu = cu_seqlens_padded.long()
-    _assert_packing(cu, total, size)
+    problems = _packing_problems(cu, total, size)
 
     local = torch.arange(local_len, device=shard.device)
     seq = torch.searchsorted(cu[1:] // size, local, right=True).clamp(max=batch - 1)
@@ -255,12 +248,14 @@ def packed_cp_logprobs(
             lambda t: F.pad(t, (0, 1), value=1)[seq, out_column].unsqueeze(0),
         ),
         return_entropy=return_entropy,
+        problems=problems,
     )
     group_name = None if cp_group is None or size == 1 else cp_group.group_name
-    packed = layout.gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [(2,) T]
-    packed = F.pad(packed, (0, 1))  # a 0 at T for the columns past a sequence (or T = 0)
+    gathered = layout.gather_to_positions(result, positions, group_name, -1)[..., 0, :]  # [n, T]
+    # A 0 at T for the columns past a sequence (or T = 0).
+    packed = F.pad(torch.stack(context_parallel.checked(gathered)), (0, 1))
 
     column = torch.arange(max_seqlen - shift, device=shard.device)
     source = (cu[:-1].unsqueeze(-1) + column).clamp(0, total)  # [B, max_seqlen - shift]
     keep = column < (cu[1:] - cu[:-1] - shift).unsqueeze(-1)
-    return context_parallel.split_entropy(torch.where(keep, packed[..., source], 0.0), return_entropy)
+    return context_parallel.split_entropy(list(torch.where(keep, packed[..., source], 0.0).unbind(0)))

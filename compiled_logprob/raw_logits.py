@@ -11,9 +11,7 @@ import torch
 import torch.distributed as dist
 
 from compiled_logprob import _comm, _validation
-from compiled_logprob._math import stats as _local, topk as _topk
-from compiled_logprob._math.kernels import assert_async
-from compiled_logprob._math.merge import OWNERSHIP_ERROR
+from compiled_logprob._math import merge, stats as _local, topk as _topk
 
 __all__ = ["gather_vocab_parallel", "vocab_parallel_logits_at", "vocab_parallel_topk_logits"]
 
@@ -37,7 +35,8 @@ def vocab_parallel_topk_logits(
     opts = _validation.options(vocab_start=vocab_start, group=group)
     k = _validation.check_topk(k, opts.vocab_start, logits.shape[-1])
     candidates, _ = _topk.topk_stats(logits.detach(), k, opts.vocab_start)
-    return _topk.merge_topk(_comm.gather_ranks(candidates, opts.group_name), k)
+    size, _ = _comm.size_rank(group)
+    return _topk.merge_topk(_comm.gather_ranks(candidates, opts.group_name, size), k)
 
 
 def vocab_parallel_logits_at(
@@ -55,6 +54,21 @@ def vocab_parallel_logits_at(
     (the sum over ranks is not differentiated). An id that no rank owns is an error (on
     the device), not a logit of 0. One all-reduce of ``[..., S, 2K]``.
     """
+    values, verdict = logits_at_unchecked(logits, ids, vocab_start=vocab_start, group=group)
+    merge.assert_verdict(verdict)
+    return values
+
+
+def logits_at_unchecked(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_parallel_logits_at` and its verdict ``[..., S]`` (ids that no rank owns),
+    not yet asserted: for callers that assert it after a context-parallel gather, so that
+    every CP rank raises together."""
     _validation.check_logits(logits)
     _validation.check_target(logits, ids, None)
     opts = _validation.options(vocab_start=vocab_start, group=group)
@@ -62,9 +76,9 @@ def vocab_parallel_logits_at(
     # [x at each id where this shard owns it, else 0; 1.0 where it owns it]: summed over TP.
     local = _local.target_stats(logits, ids, opts.vocab_start)
     total = _comm.all_reduce_sum(local.detach(), opts.group_name)
-    assert_async((total[..., k:] == 1).all(), OWNERSHIP_ERROR)
+    verdict = merge.verdict_of(not_owned=(total[..., k:] != 1).any(-1))
     # The sum's value, with each rank's gradient flowing to its own ids only.
-    return (local + (total - local.detach()))[..., :k]
+    return (local + (total - local.detach()))[..., :k], verdict
 
 
 def gather_vocab_parallel(
@@ -84,6 +98,6 @@ def gather_vocab_parallel(
     name = _comm.group_name(group)
     if name is None:
         return tensor
-    _, rank = _comm.size_rank(group)
-    parts = _comm.gather_ranks(tensor.detach(), name).unbind(0)
+    size, rank = _comm.size_rank(group)
+    parts = _comm.gather_ranks(tensor.detach(), name, size).unbind(0)
     return torch.cat([tensor if r == rank else part for r, part in enumerate(parts)], dim=-1)

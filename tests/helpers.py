@@ -1102,7 +1102,7 @@ def _lm_head_backward_cases(dtype: torch.dtype, group_name: str):
         hidden, weight, target, temperature = inputs
         hidden, weight = hidden.detach(), weight.detach()
         forward_options = dict(options, with_entropy=case.entropy, topk=topk)
-        shift, log_total, _, entropy, topk_ids = custom_op("compiled_logprob::lm_head_stats")(
+        shift, log_total, _, entropy, topk_ids, _ = custom_op("compiled_logprob::lm_head_stats")(
             hidden, weight, target, temperature, **forward_options
         )
         if topk:

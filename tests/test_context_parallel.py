@@ -1166,7 +1166,7 @@ def test_bad_input(gloo_pool):
         "cu dtype": "TypeError: cu_seqlens_padded must be an int32 or int64",
         "cu rank": "ValueError: cu_seqlens_padded must be 1-D",
         "cu length": "ValueError: cu_seqlens_padded must be 1-D",
-        "cu not divisible": "RuntimeError: .*multiple of 2 \\* cp_size = 4",
+        "cu not divisible": "RuntimeError: .*multiples of 2 \\* cp_size, on every CP rank",
         "cu wrong end": "RuntimeError: .*end at T",
         "not vocab-sharded": "ValueError: the logits must be sharded on the vocabulary",
         "seq_index missing": "ValueError: seq_index must be given",

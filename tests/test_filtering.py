@@ -187,7 +187,8 @@ def _host_sync_checks() -> None:
             cl.token_logprobs(logits, ids, top_k=5, **options),
             cl.token_logprobs(logits, ids, top_p=0.9, chunk_size=3, temperature=0.7, **options),
             cl.token_logprobs(
-                logits, ids, top_k=3, top_p=0.5, temperature=torch.rand(2, 1) + 0.5, **options
+                logits, ids, top_k=3, top_p=0.5, temperature=torch.linspace(0.5, 1.5, 2)[:, None],
+                **options,
             ),
         ]
         sum(torch.where(out.isfinite(), out, 0.0).sum() for out in outs).backward()

@@ -65,7 +65,8 @@ def _check_bad_target(kind: str, api: str, chunk: int | None) -> str:
     start, end = (bound + shift for bound in vocab_bounds(vocab, world, rank))
     bad = {"negative": -1, "vocab_size": vocab, "gap": end_0, "overlap": end_0 - 1}[kind]
     logits = torch.randn(2, 7, end - start)
-    target = torch.randint(0, end_0 - 1, (2, 7))  # owned by rank 0 alone, whatever the kind
+    # The same target on every rank, owned by rank 0 alone, whatever the kind.
+    target = torch.randint(0, end_0 - 1, (2, 7), generator=torch.Generator().manual_seed(5))
     target[-1, -1] = bad  # in the last chunk: every earlier chunk's collective has completed
     try:
         if api == "token_logprobs":

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from compiled_logprob import _comm
-from compiled_logprob._math.kernels import INF, assert_async, finite_or_zero
-from compiled_logprob._math.merge import OWNERSHIP_ERROR
+from compiled_logprob._math.kernels import INF, finite_or_zero
+from compiled_logprob._math import merge
+from compiled_logprob._math.merge import verdict_of
 from compiled_logprob._math.topk import local_topk
 
 
@@ -27,8 +28,8 @@ def filtered_stats(
     top_k: int,
     top_p: float,
     rows_per_block: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(shift, log_norm, target_logit, threshold)`` of the top-k/top-p filtered softmax of
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(shift, log_norm, target_logit, threshold, verdict)`` of the top-k/top-p filtered softmax of
     ``z``: as :func:`exchange_stats` returns them, over the kept ids ``x >= threshold``
     instead of the full vocabulary (``threshold`` ``[B, S]``, unscaled like ``shift``), and
     ``target_logit`` ``-inf`` at the ids filtered out.
@@ -37,8 +38,9 @@ def filtered_stats(
     (every rank the same width); ``target`` ``[B, S, K]`` global ids. Filtering needs whole
     rows (top-k and top-p rank each id against its row), so one all-to-all trades each
     rank's vocabulary slice of all rows for all slices of ``1 / R`` of the rows; each rank
-    filters its rows and one all-gather of ``[B·S / R, 3 + K]`` statistics brings every
-    row's back. Given ``rows_per_block`` (eager), the rows are filtered that many at a time, so
+    filters its rows and one all-gather of ``[B·S / R, 3 + K + R·A]`` statistics brings every
+    row's back, with every row's ids and temperature as each rank holds them (``A`` per row),
+    which every rank compares alike: the verdict. Given ``rows_per_block`` (eager), the rows are filtered that many at a time, so
     that the selection's temporaries stay in cache.
     """
     batch, seq, width = logits.shape
@@ -72,12 +74,22 @@ def filtered_stats(
             for start in range(0, max(per_rank, 1), rows_per_block)
         ]
         shift, log_norm, threshold = (torch.cat(parts) for parts in zip(*blocks))
-    ids = my_rows(target, 0).clamp(0, vocab - 1)
-    picked = whole.gather(-1, ids).float()
-    stats = torch.cat([shift, log_norm, threshold, picked], dim=-1)  # [n, 3 + K]
-    stats = _comm.gather_ranks(stats, group_name).flatten(0, 1)[:rows].view(batch, seq, -1)
+    picked = whole.gather(-1, my_rows(target, 0).clamp(0, vocab - 1)).float()
+    k = target.shape[-1]
+    # Every row's ids (and temperature) as this rank holds them, R · A columns per row of
+    # its own: after the gather every rank compares every rank's, and reaches one verdict.
+    agreed = torch.cat(merge.agreed_columns(target, temperature), dim=-1)  # [B, S, A]
+    table = F.pad(agreed.reshape(rows, -1), (0, 0, 0, per_rank * ranks - rows))
+    table = table.view(ranks, per_rank, -1).movedim(0, 1).flatten(1)  # [n, R · A]
+    gathered = _comm.gather_ranks(torch.cat([shift, log_norm, threshold, picked, table], -1), group_name)
+    stats = gathered[..., : 3 + k].flatten(0, 1)[:rows].view(batch, seq, -1)
     shift, log_norm, threshold = stats[..., 0], stats[..., 1], stats[..., 2]
     picked = stats[..., 3:]
+    # [R sources, n, R · A] -> where sources differ, back in row order: [B, S, A].
+    disagree = merge.differ(gathered[..., 3 + k :].unsqueeze(-1)).view(per_rank, ranks, -1)
+    disagree = disagree.movedim(1, 0).flatten(0, 1)[:rows].view(batch, seq, -1)
+    ids_differ = disagree[..., :k].any(-1)
+    temperatures_differ = None if temperature is None else disagree[..., k]
     inverse_t: float | torch.Tensor = (
         1.0 if temperature is None else 1.0 / temperature.unsqueeze(-1)
     )
@@ -89,8 +101,12 @@ def filtered_stats(
         ignored = target == ignore_index
         valid = valid | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
-    assert_async(valid.all(), OWNERSHIP_ERROR)
-    return shift, log_norm, target_logit, threshold
+    verdict = verdict_of(
+        not_owned=~valid.all(-1),
+        ids_differ=ids_differ,
+        temperatures_differ=temperatures_differ,
+    )
+    return shift, log_norm, target_logit, threshold, verdict
 
 
 def _filter_rows(

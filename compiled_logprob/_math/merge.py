@@ -1,5 +1,12 @@
 """Every rank's statistics merged into the full vocabulary's: the one all-gather per call,
-then per-row arithmetic. Only per-row statistics cross ranks."""
+then per-row arithmetic. Only per-row statistics cross ranks.
+
+The same all-gather carries what every rank must agree on (the target ids, a temperature
+tensor's values), so every rank reaches the same verdict on the same data, for free: a
+per-row ``verdict`` of problem bits, which the public layer asserts on the device (no host
+sync) right away, or after the context-parallel gather, so that all CP ranks raise together
+(docs/distributed.md).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,59 @@ OWNERSHIP_ERROR = (
     ">= the vocabulary size, or [vocab_start, vocab_end) ranges that overlap or leave a gap). "
     "Mask it (ignore_index=... gives log-prob 0) or fix the shard bounds."
 )
+# The verdict's problem bits, and what each says on every rank.
+NOT_OWNED, IDS_DIFFER, TEMPERATURES_DIFFER, BAD_PACKING = 1, 2, 4, 8
+# Checked in this order: a malformed packing or ids that differ make targets unowned too.
+PROBLEMS = {
+    BAD_PACKING: (
+        "compiled_logprob: cu_seqlens_padded must start at 0, never decrease, end at T (the "
+        "packed row's length) and, under CP, hold multiples of 2 * cp_size, on every CP rank"
+    ),
+    IDS_DIFFER: (
+        "compiled_logprob: the ranks of the vocab-parallel group hold different target ids for "
+        "the same positions: every rank of the group must pass the same target (or input_ids)"
+    ),
+    TEMPERATURES_DIFFER: (
+        "compiled_logprob: the ranks of the vocab-parallel group hold different temperatures "
+        "for the same positions: every rank of the group must pass the same temperature"
+    ),
+    NOT_OWNED: OWNERSHIP_ERROR,
+}
+
+
+def agreed_columns(target: torch.Tensor | None, temperature: torch.Tensor | None) -> list[torch.Tensor]:
+    """The columns that travel with a shard's statistics for every rank to compare: the
+    target ids ``[B, S, K]`` (as fp32: exact below 2**24, and any id beyond that is owned by
+    no rank) and a temperature ``[B, S, 1]``."""
+    columns = [] if target is None else [target.float()]
+    return columns if temperature is None else [*columns, temperature.unsqueeze(-1)]
+
+
+def differ(gathered: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: where any rank's ``[R, B, S, n]`` columns differ from rank 0's."""
+    return (gathered != gathered[:1]).any(0).any(-1)
+
+
+def verdict_of(**problems: torch.Tensor | None) -> torch.Tensor:
+    """The per-row verdict (fp32 ``[B, S]``): the sum of the bits of ``problems`` (bool
+    ``[B, S]`` each, or ``None``), named as in :data:`PROBLEMS` (``not_owned=...``)."""
+    bits = {"not_owned": NOT_OWNED, "ids_differ": IDS_DIFFER,
+            "temperatures_differ": TEMPERATURES_DIFFER, "bad_packing": BAD_PACKING}
+    verdict = None
+    for name, problem in problems.items():
+        if problem is not None:
+            term = problem.float() * bits[name]
+            verdict = term if verdict is None else verdict + term
+    assert verdict is not None, "a verdict needs at least one problem"
+    return verdict
+
+
+def assert_verdict(verdict: torch.Tensor) -> None:
+    """Raise, on the device (no host sync), the error of each problem bit set anywhere in
+    ``verdict``: every rank that holds the same verdict raises the same error."""
+    bits = verdict.to(torch.int32)
+    for bit, message in PROBLEMS.items():
+        assert_async(((bits & bit) == 0).all(), message)
 
 
 class Stats(NamedTuple):
@@ -30,6 +90,7 @@ class Stats(NamedTuple):
     target_logit: torch.Tensor  # [B, S, K] z − shift / T at the targets (or the top-k)
     entropy: torch.Tensor  # [B, S] the entropy (0 unless asked for)
     topk_ids: torch.Tensor  # [B, S, k] int64 global ids of the top-k (k = 0 without)
+    verdict: torch.Tensor  # [B, S] problem bits (PROBLEMS), the same on every rank; constant
 
 
 def empty_stats(rows: torch.Tensor, target: torch.Tensor | None, topk: int) -> Stats:
@@ -43,6 +104,7 @@ def empty_stats(rows: torch.Tensor, target: torch.Tensor | None, topk: int) -> S
         rows.new_empty(*rows.shape[:-1], k, dtype=torch.float32),
         torch.empty_like(row),
         rows.new_empty(*rows.shape[:-1], topk, dtype=torch.int64),
+        torch.empty_like(row),
     )
 
 
@@ -85,7 +147,8 @@ def exchange_stats(
     rank's into :class:`Stats`: of ``target`` ``[B, S, K]`` (0 where ignored; ``K = 0``
     without a target), or with ``topk`` of the global top ``topk``.
 
-    Asserts, without a host sync, that every non-ignored target is owned by exactly one rank.
+    ``stats`` ends with :func:`agreed_columns`; the verdict flags rows whose non-ignored
+    targets are not owned by exactly one rank, and rows where ranks disagree on them.
     """
     gathered = _comm.gather_ranks(stats, group_name)
     row_max, sum_exp = gathered[..., 0], gathered[..., 1]
@@ -106,12 +169,22 @@ def exchange_stats(
         return (logits - shift.unsqueeze(-1)) * inverse_t.unsqueeze(-1)
 
     first = 3 if with_entropy else 2
+    temperatures_differ = None if temperature is None else differ(gathered[..., -1:])
     if topk:
-        candidates, ids = merge_topk(gathered[..., first:], topk)
-        return Stats(shift, log_norm, shifted(candidates), entropy, ids)
+        candidates, ids = merge_topk(gathered[..., first : first + 2 * topk], topk)
+        verdict = verdict_of(
+            not_owned=torch.zeros_like(log_norm, dtype=torch.bool),
+            temperatures_differ=temperatures_differ,
+        )
+        return Stats(shift, log_norm, shifted(candidates), entropy, ids, verdict)
     no_ids = log_norm.new_zeros(*log_norm.shape, 0, dtype=torch.int64)
     if target is None:
-        return Stats(shift, log_norm, log_norm.new_zeros(*log_norm.shape, 0), entropy, no_ids)
+        verdict = verdict_of(
+            not_owned=torch.zeros_like(log_norm, dtype=torch.bool),
+            temperatures_differ=temperatures_differ,
+        )
+        no_targets = log_norm.new_zeros(*log_norm.shape, 0)
+        return Stats(shift, log_norm, no_targets, entropy, no_ids, verdict)
     k = target.shape[-1]
     target_logit = shifted(gathered[..., first : first + k].sum(0))
     owned_once = gathered[..., first + k : first + 2 * k].sum(0) == 1
@@ -119,5 +192,9 @@ def exchange_stats(
         ignored = target == ignore_index
         owned_once = owned_once | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
-    assert_async(owned_once.all(), OWNERSHIP_ERROR)
-    return Stats(shift, log_norm, target_logit, entropy, no_ids)
+    verdict = verdict_of(
+        not_owned=~owned_once.all(-1),
+        ids_differ=differ(gathered[..., first + 2 * k : first + 3 * k]),
+        temperatures_differ=temperatures_differ,
+    )
+    return Stats(shift, log_norm, target_logit, entropy, no_ids, verdict)

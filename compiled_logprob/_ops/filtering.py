@@ -28,7 +28,7 @@ class FilteredStats(NamedTuple):
     log_norm: torch.Tensor  # [B, S]
     target_logit: torch.Tensor  # [B, S, K], -inf where filtered out
     threshold: torch.Tensor  # [B, S], unscaled like the shift
-
+    verdict: torch.Tensor  # [B, S] problem bits, as _math.merge.Stats
 
 @torch.library.custom_op("compiled_logprob::filtered_stats", mutates_args=())
 def filtered_stats(
@@ -42,7 +42,7 @@ def filtered_stats(
     top_k: int,
     top_p: float,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Each block of chunk_size positions trades its own whole rows (two collectives per
     # block); the selection then walks them a few rows at a time, its temporaries in cache.
     step = chunk_size or max(logits.shape[1], 1)
@@ -61,15 +61,17 @@ def filtered_stats(
         )
         for start in range(0, max(logits.shape[1], 1), step)
     ]
-    shift, log_norm, target_logit, threshold = (torch.cat(parts, dim=1) for parts in zip(*blocks))
-    return shift, log_norm, target_logit, threshold
+    shift, log_norm, target_logit, threshold, verdict = (
+        torch.cat(parts, dim=1) for parts in zip(*blocks)
+    )
+    return shift, log_norm, target_logit, threshold, verdict
 
 
 @filtered_stats.register_fake
 def _(logits, target, temperature, **options):
     row = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
     target_logit = torch.empty_like(target, dtype=torch.float32)
-    return row, torch.empty_like(row), target_logit, torch.empty_like(row)
+    return row, torch.empty_like(row), target_logit, torch.empty_like(row), torch.empty_like(row)
 
 
 @register_decomposition(torch.ops.compiled_logprob.filtered_stats.default)
@@ -84,7 +86,7 @@ def _decompose_filtered(
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     logits, target, temperature = inputs
     result = FilteredStats(*output)
-    ctx.mark_non_differentiable(result.shift, result.threshold)
+    ctx.mark_non_differentiable(result.shift, result.threshold, result.verdict)
     ctx.save_for_backward(
         logits, target, temperature, result.shift, result.log_norm, result.threshold
     )
@@ -93,7 +95,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     }
 
 
-def _backward(ctx, _, grad_log_norm, grad_target_logit, __):
+def _backward(ctx, _, grad_log_norm, grad_target_logit, __, ___):
     logits, target, temperature, shift, log_norm, threshold = ctx.saved_tensors
     grad = vocab_parallel_stats_backward(
         grad_log_norm,

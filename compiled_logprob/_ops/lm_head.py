@@ -104,7 +104,7 @@ def lm_head_stats(
     chunk_size: int | None,
     with_entropy: bool,
     topk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (target is None) == (topk > 0), "the top-k are the targets"
     parts = []
     for tile in _tiles(hidden, weight, chunk_size, spare=with_entropy):
@@ -125,7 +125,7 @@ def lm_head_stats(
         )
         parts.append(torch.cat([local, *candidates], dim=-1))
     result = merge.exchange_stats(
-        torch.cat(parts, dim=1),
+        torch.cat([torch.cat(parts, dim=1), *merge.agreed_columns(target, temperature)], dim=-1),
         target,
         group_name,
         ignore_index,
@@ -221,7 +221,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, target, temperature = inputs
     result = Stats(*output)
     # As the logits op: the other outputs are invariant to the shift.
-    ctx.mark_non_differentiable(result.shift)
+    ctx.mark_non_differentiable(result.shift, result.verdict)
     if keyword_only_inputs["topk"]:
         target = result.topk_ids
     ctx.save_for_backward(
@@ -234,7 +234,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __):
+def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
     hidden, weight, target, temperature, shift, log_norm, entropy = ctx.saved_tensors
     needs_grad_hidden, needs_grad_weight, _, _ = ctx.needs_input_grad
     grad_hidden, grad_weight = lm_head_stats_backward(

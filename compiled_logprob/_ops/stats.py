@@ -37,7 +37,7 @@ def vocab_parallel_stats(
     with_entropy: bool,
     topk: int,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert not (topk and target is not None), "the top-k are the targets"
     extra, row_max = [], None
     if target is not None:
@@ -69,7 +69,7 @@ def vocab_parallel_stats(
         dim=1,
     )
     result = merge.exchange_stats(
-        torch.cat([local, *extra], dim=-1),
+        torch.cat([local, *extra, *merge.agreed_columns(target, temperature)], dim=-1),
         target,
         group_name,
         ignore_index,
@@ -97,8 +97,10 @@ def _decompose_stats(
         logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy,
         row_max=row_max,
     )
-    if topk:
-        local = torch.cat([local, candidates], dim=-1)
+    local = torch.cat(
+        [local, *([candidates] if topk else []), *merge.agreed_columns(target, temperature)],
+        dim=-1,
+    )
     return tuple(
         merge.exchange_stats(
             local, target, group_name, ignore_index, temperature=temperature,
@@ -182,7 +184,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     result = Stats(*output)
     # The shift only centres the others, which are invariant to it: they carry all the
     # gradient, with the shift held constant.
-    ctx.mark_non_differentiable(result.shift)
+    ctx.mark_non_differentiable(result.shift, result.verdict)
     if keyword_only_inputs["topk"]:
         target = result.topk_ids
     ctx.save_for_backward(logits, target, temperature, result.shift, result.log_norm, result.entropy)
@@ -192,7 +194,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
 
 
-def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __):
+def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
     logits, target, temperature, shift, log_norm, entropy = ctx.saved_tensors
     grad = vocab_parallel_stats_backward(
         grad_log_norm,

@@ -121,7 +121,7 @@ def cp_shift_next(
     size = group_size(cp_group)
     following = torch.full_like(x[:, :1], fill)
     if cp_group is not None and size > 1:
-        firsts = _comm.gather_ranks(x[:, :1].detach(), cp_group.group_name)
+        firsts = _comm.gather_ranks(x[:, :1].detach(), cp_group.group_name, size)
         rank = cp_group.rank()
         if rank + 1 < size:
             following = firsts[rank + 1]

@@ -66,8 +66,10 @@ def gather_logits_at_global_indices(
         )
     seq_len = global_indices.shape[1]
     global_indices = context_parallel.shard_natural(global_indices, logits.shape[1], cp_group)
-    picked = raw_logits.vocab_parallel_logits_at(logits, global_indices, vocab_start=start, group=tp_group)
-    return context_parallel.gather_natural(picked, seq_len, cp_group)
+    picked, verdict = raw_logits.logits_at_unchecked(
+        logits, global_indices, vocab_start=start, group=tp_group
+    )
+    return context_parallel.gather_checked(picked, verdict, seq_len, cp_group)
 
 
 @overload
