@@ -16,11 +16,10 @@ from compiled_logprob.context_parallel import (
     shard_for_context_parallel,
 )
 from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
-from compiled_logprob.lm_head import (
+from compiled_logprob.lm_head import lm_head_token_logprobs, lm_head_topk
+from compiled_logprob.lm_head_context_parallel import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
-    lm_head_token_logprobs,
-    lm_head_topk,
 )
 from compiled_logprob.logits import (
     token_logprobs,

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiled_logprob import _comm, _validation, logits as _logits
+from compiled_logprob import _comm, _validation
+from compiled_logprob import logits as _logits
 from compiled_logprob._math import layout, merge
 from compiled_logprob._math.kernels import assert_async
 

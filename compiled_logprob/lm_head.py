@@ -6,9 +6,8 @@ weight instead, and walks the sequence in chunks: per chunk it computes the logi
 reduces it to per-row statistics and drops it; backward recomputes each tile and
 accumulates the gradients of the hidden states and the weight. No ``[B, S, V_local]``
 tensor exists in forward or backward; temporaries are ``O(B · chunk · V_local)``.
-:func:`lm_head_context_parallel_logprobs` and :func:`lm_head_packed_context_parallel_logprobs`
-do the same for context-parallel (and packed) hidden states, sharing the CP entry points'
-target shift, layouts and gather (:mod:`compiled_logprob.context_parallel`).
+:mod:`compiled_logprob.lm_head_context_parallel` does the same for context-parallel (and
+packed) hidden states.
 
 Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden size,
 ``V`` the full vocabulary, ``V_local`` this rank's vocabulary slice
@@ -22,16 +21,13 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _validation, context_parallel, logits as _logits, packed
+from compiled_logprob import _validation, context_parallel
+from compiled_logprob import logits as _logits
 from compiled_logprob._math import merge
 from compiled_logprob._ops.lm_head import lm_head_stats_of
 from compiled_logprob._validation import Options
 
-__all__ = [
-    "lm_head_context_parallel_logprobs",
-    "lm_head_packed_context_parallel_logprobs",
-    "lm_head_token_logprobs",
-]
+__all__ = ["lm_head_token_logprobs", "lm_head_topk"]
 
 
 def _validate_hidden(hidden, weight) -> None:
@@ -245,7 +241,7 @@ def lm_head_topk(
     return logprobs.view(*positions, k), stats.topk_ids.view(*positions, k)
 
 
-def _hidden_logprobs(
+def hidden_local_fn(
     hidden, weight, input_ids, *, vocab_start, group, chunk_size, ignore_index
 ):
     """The local log-probs of validated hidden states: ``fn(target, *, temperature,
@@ -261,221 +257,3 @@ def _hidden_logprobs(
         return _lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy)
 
     return local_fn
-
-
-@overload
-def lm_head_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    vocab_start: int = ...,
-    group: dist.ProcessGroup | None = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    seq_index: torch.Tensor | None = ...,
-    chunk_size: int | None = ...,
-    ignore_index: int | None = ...,
-    temperature: float | torch.Tensor = ...,
-    return_entropy: Literal[False] = ...,
-    next_token: bool = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def lm_head_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    vocab_start: int = ...,
-    group: dist.ProcessGroup | None = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    seq_index: torch.Tensor | None = ...,
-    chunk_size: int | None = ...,
-    ignore_index: int | None = ...,
-    temperature: float | torch.Tensor = ...,
-    return_entropy: Literal[True],
-    next_token: bool = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def lm_head_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    vocab_start: int = ...,
-    group: dist.ProcessGroup | None = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    seq_index: torch.Tensor | None = ...,
-    chunk_size: int | None = ...,
-    ignore_index: int | None = ...,
-    temperature: float | torch.Tensor = ...,
-    return_entropy: bool = ...,
-    next_token: bool = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def lm_head_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    vocab_start: int = 0,
-    group: dist.ProcessGroup | None = None,
-    cp_group: dist.ProcessGroup | None = None,
-    seq_index: torch.Tensor | None = None,
-    chunk_size: int | None = None,
-    ignore_index: int | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    return_entropy: bool = False,
-    next_token: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs from TP×CP-sharded hidden states, fp32 ``[..., S - 1]`` in natural order.
-
-    Eager equivalent: ``context_parallel_logprobs(hidden @ weight.T, input_ids, ...)`` without
-    ever materialising the ``[..., L, V_local]`` logits.
-
-    Args:
-        hidden: ``[..., L, H]``, this rank's part of the sequence's hidden states, laid out
-            exactly like the logits of :func:`~compiled_logprob.context_parallel_logprobs`
-            (the load-balanced CP shard, or ``seq_index``'s layout) and the same on every
-            rank of ``group``.
-        weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
-            ``hidden``'s dtype.
-        input_ids: ``[..., S]`` the full, unshifted token ids in natural order, ``S <= C * L``.
-        vocab_start, group, cp_group, seq_index, ignore_index, temperature, return_entropy,
-            next_token: as in :func:`~compiled_logprob.context_parallel_logprobs` (a tensor
-            ``temperature`` broadcasts to the output).
-        chunk_size: as in :func:`lm_head_token_logprobs`.
-
-    Backward: the hidden states' gradient is all-reduced over ``group`` (as in
-    :func:`lm_head_token_logprobs`) and, like the logits', is the sum over CP ranks of the
-    upstream gradients at this rank's positions; ``weight`` receives this rank's positions'
-    contribution only.
-    """
-    local_fn = _hidden_logprobs(
-        hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
-        ignore_index=ignore_index,
-    )
-    return context_parallel.cp_logprobs(
-        local_fn,
-        hidden,
-        input_ids,
-        cp_group=cp_group,
-        seq_index=seq_index,
-        temperature=temperature,
-        return_entropy=return_entropy,
-        next_token=next_token,
-        name="hidden states",
-    )
-
-
-@overload
-def lm_head_packed_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    *,
-    max_seqlen: int,
-    vocab_start: int = ...,
-    group: dist.ProcessGroup | None = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    chunk_size: int | None = ...,
-    ignore_index: int | None = ...,
-    temperature: float | torch.Tensor = ...,
-    return_entropy: Literal[False] = ...,
-    next_token: bool = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def lm_head_packed_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    *,
-    max_seqlen: int,
-    vocab_start: int = ...,
-    group: dist.ProcessGroup | None = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    chunk_size: int | None = ...,
-    ignore_index: int | None = ...,
-    temperature: float | torch.Tensor = ...,
-    return_entropy: Literal[True],
-    next_token: bool = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def lm_head_packed_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    *,
-    max_seqlen: int,
-    vocab_start: int = ...,
-    group: dist.ProcessGroup | None = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    chunk_size: int | None = ...,
-    ignore_index: int | None = ...,
-    temperature: float | torch.Tensor = ...,
-    return_entropy: bool = ...,
-    next_token: bool = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def lm_head_packed_context_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    *,
-    max_seqlen: int,
-    vocab_start: int = 0,
-    group: dist.ProcessGroup | None = None,
-    cp_group: dist.ProcessGroup | None = None,
-    chunk_size: int | None = None,
-    ignore_index: int | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    return_entropy: bool = False,
-    next_token: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs of a packed (THD) row from TP×CP-sharded hidden states, fp32 ``[B, max_seqlen - 1]``.
-
-    Eager equivalent: ``packed_context_parallel_logprobs(hidden @ weight.T, input_ids,
-    cu_seqlens_padded, max_seqlen=max_seqlen, ...)`` without ever materialising the logits.
-
-    Args:
-        hidden: ``[1, T / C, H]``, laid out like the logits of
-            :func:`~compiled_logprob.packed_context_parallel_logprobs` (every padded sequence
-            load-balanced-sharded on its own), the same on every rank of ``group``.
-        weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight.
-        input_ids, cu_seqlens_padded, max_seqlen, vocab_start, group, cp_group, ignore_index,
-            temperature, return_entropy, next_token: as in
-            :func:`~compiled_logprob.packed_context_parallel_logprobs` (a tensor
-            ``temperature`` broadcasts to the output ``[B, max_seqlen - 1]``).
-        chunk_size: as in :func:`lm_head_token_logprobs`.
-
-    Gradients as in :func:`lm_head_context_parallel_logprobs`.
-    """
-    local_fn = _hidden_logprobs(
-        hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
-        ignore_index=ignore_index,
-    )
-    return packed.packed_cp_logprobs(
-        local_fn,
-        hidden,
-        input_ids,
-        cu_seqlens_padded,
-        max_seqlen=max_seqlen,
-        cp_group=cp_group,
-        temperature=temperature,
-        return_entropy=return_entropy,
-        next_token=next_token,
-        name="hidden states",
-    )

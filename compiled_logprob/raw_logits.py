@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from compiled_logprob import _comm, _validation
-from compiled_logprob._math import merge, stats as _local, topk as _topk
+from compiled_logprob._math import merge
+from compiled_logprob._math import stats as _local
+from compiled_logprob._math import topk as _topk
 
 __all__ = ["gather_vocab_parallel", "vocab_parallel_logits_at", "vocab_parallel_topk_logits"]
 

@@ -40,11 +40,10 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
-from compiled_logprob.lm_head import (
+from compiled_logprob.lm_head import lm_head_token_logprobs, lm_head_topk
+from compiled_logprob.lm_head_context_parallel import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
-    lm_head_token_logprobs,
-    lm_head_topk,
 )
 from compiled_logprob.testing.reference import oracle_log_softmax, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs

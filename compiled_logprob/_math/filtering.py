@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from compiled_logprob import _comm
-from compiled_logprob._math.kernels import INF, finite_or_zero
 from compiled_logprob._math import merge
+from compiled_logprob._math.kernels import INF, finite_or_zero
 from compiled_logprob._math.merge import verdict_of
 from compiled_logprob._math.topk import local_topk
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from compiled_logprob._math.kernels import (
+    EXPONENT_FLOOR,
     INF,
     PAIR_SLICES,
-    EXPONENT_FLOOR,
     Eager,
     Kernels,
     Traced,

@@ -31,7 +31,8 @@ import torch
 
 from compiled_logprob import _comm
 from compiled_logprob._math import grad as _grad
-from compiled_logprob._math import merge, stats, topk as _topk
+from compiled_logprob._math import merge, stats
+from compiled_logprob._math import topk as _topk
 from compiled_logprob._math.kernels import Eager, block_rows
 from compiled_logprob._math.merge import Stats
 

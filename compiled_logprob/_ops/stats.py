@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from compiled_logprob._math import grad as _grad
-from compiled_logprob._math import merge, stats, topk as _topk
+from compiled_logprob._math import merge, stats
+from compiled_logprob._math import topk as _topk
 from compiled_logprob._math.kernels import Eager, block_rows
 from compiled_logprob._math.merge import Stats
 from compiled_logprob._ops.blocks import seq_blocks

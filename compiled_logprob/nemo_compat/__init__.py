@@ -30,6 +30,22 @@ The classes exist only so that ``X.apply(...)`` call sites keep working; they ar
 ``torch.autograd.Function`` subclasses (autograd lives in the custom ops).
 """
 
+from compiled_logprob.nemo_compat._collectives import (
+    all_to_all_sq2vp,
+    all_to_all_vp2sq,
+    cp_load_balanced_to_contiguous,
+    cp_shift_next,
+    group_all_reduce_sum,
+    group_all_reduce_sum_with_grad,
+    vocab_parallel_argmax,
+    vocab_parallel_gather_columns,
+)
+from compiled_logprob.nemo_compat._distillation import (
+    _student_layout,
+    distributed_vocab_topk,
+    gather_logits_at_global_indices,
+    get_distillation_topk_logprobs_from_logits,
+)
 from compiled_logprob.nemo_compat._logprobs import (
     ChunkedDistributedEntropy,
     ChunkedDistributedGatherLogprob,
@@ -52,22 +68,6 @@ from compiled_logprob.nemo_compat._sequences import (
     from_parallel_logits_to_logprobs_packed_sequences,
     get_logprobs_from_vocab_parallel_logits,
     get_next_token_logprobs_from_logits,
-)
-from compiled_logprob.nemo_compat._distillation import (
-    _student_layout,
-    distributed_vocab_topk,
-    gather_logits_at_global_indices,
-    get_distillation_topk_logprobs_from_logits,
-)
-from compiled_logprob.nemo_compat._collectives import (
-    all_to_all_sq2vp,
-    all_to_all_vp2sq,
-    cp_load_balanced_to_contiguous,
-    cp_shift_next,
-    group_all_reduce_sum,
-    group_all_reduce_sum_with_grad,
-    vocab_parallel_argmax,
-    vocab_parallel_gather_columns,
 )
 
 __all__ = [

@@ -8,7 +8,10 @@ from torch.distributed.tensor import DTensor
 
 from compiled_logprob import _comm, context_parallel
 from compiled_logprob.nemo_compat._arguments import check_2d, even_tp_shard, group_size
-from compiled_logprob.nemo_compat._distillation import distributed_vocab_topk, gather_logits_at_global_indices
+from compiled_logprob.nemo_compat._distillation import (
+    distributed_vocab_topk,
+    gather_logits_at_global_indices,
+)
 
 
 def group_all_reduce_sum_with_grad(

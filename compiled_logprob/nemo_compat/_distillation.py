@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from compiled_logprob import _validation, context_parallel, dtensor, logits as core, raw_logits
+from compiled_logprob import _validation, context_parallel, dtensor, raw_logits
+from compiled_logprob import logits as core
 from compiled_logprob.nemo_compat._arguments import even_shard_start, this_shard
 
 

@@ -6,8 +6,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from compiled_logprob import _comm, logits as core, raw_logits
-from compiled_logprob.nemo_compat._arguments import filter_settings, sharding_group, this_shard
+from compiled_logprob import _comm, raw_logits
+from compiled_logprob import logits as core
+from compiled_logprob.nemo_compat._arguments import (
+    filter_settings,
+    sharding_group,
+    this_shard,
+)
 
 
 class DistributedLogprob:

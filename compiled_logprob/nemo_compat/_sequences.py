@@ -9,7 +9,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from compiled_logprob import _validation, context_parallel, dtensor, packed
-from compiled_logprob.nemo_compat._arguments import even_shard_start, sampling_filter, this_shard
+from compiled_logprob.nemo_compat._arguments import (
+    even_shard_start,
+    sampling_filter,
+    this_shard,
+)
 
 
 def _get_tokens_on_this_cp_rank(
