@@ -3,13 +3,16 @@
 The functional API, by module: ``logits`` (token log-probs, logsumexp, entropy, top-k,
 log-softmax and cross-entropy of vocab-sharded logits), ``raw_logits`` (the logits
 themselves across shards), ``context_parallel`` and ``packed`` (next-token log-probs across
-CP ranks), ``dtensor``, and ``lm_head`` (from hidden states, no logits). NeMo-RL's names live in :mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
+CP ranks), ``dtensor``, and ``lm_head`` (from hidden states, no logits); ``check_ranks``
+turns on the cross-rank agreement check. NeMo-RL's names live in
+:mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
 """
 
 from typing import TYPE_CHECKING
 
 # First: an old torch is refused before any op is registered.
 from compiled_logprob import _torch_compat  # noqa: F401  isort: skip
+from compiled_logprob._agreement import check_ranks
 from compiled_logprob.context_parallel import (
     context_parallel_logprobs,
     gather_context_parallel,
@@ -39,6 +42,7 @@ from compiled_logprob.raw_logits import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "check_ranks",
     "context_parallel_logprobs",
     "dtensor_logprobs",
     "gather_context_parallel",

@@ -92,3 +92,13 @@ def all_to_all(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Rank ``r`` receives block ``r`` of every rank's ``tensor`` (dim 0 cut in ``R`` equal
     blocks), concatenated in rank order; not differentiable."""
     return wait_tensor(all_to_all_single(tensor.contiguous(), None, None, cast("GroupName", name)))
+
+
+def all_gather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's uint8 ``buffer`` (all of one size), eagerly, on the host's side: the
+    agreement check's exchange, before a call's own collectives."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    buffer = buffer.to(device)
+    parts = [torch.empty_like(buffer) for _ in range(group.size())]
+    dist.all_gather(parts, buffer, group=group)
+    return [part.cpu() for part in parts]

@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._inductor.decomposition import register_decomposition
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = [
     "ALLOW_OLD_TORCH",
+    "FakeTensorMode",
     "MINIMUM",
     "all_gather_single",
     "all_reduce",

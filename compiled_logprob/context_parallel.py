@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiled_logprob import _comm, _validation
+from compiled_logprob import _agreement, _comm, _validation
 from compiled_logprob import logits as _logits
 from compiled_logprob._math import layout, merge
 from compiled_logprob._math.kernels import assert_async
@@ -80,6 +80,7 @@ def shard_for_context_parallel(
     return shard_rank(tensor, rank, size, dim)
 
 
+@_agreement.agreed
 def gather_context_parallel(
     tensor: torch.Tensor, *, group: dist.ProcessGroup | None, dim: int = 1
 ) -> torch.Tensor:
@@ -294,6 +295,7 @@ def context_parallel_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def context_parallel_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from compiled_logprob import context_parallel
+from compiled_logprob import _agreement, context_parallel
 from compiled_logprob._math import layout
 
 __all__ = ["dtensor_logprobs", "vocab_shard_bounds"]
@@ -205,6 +205,7 @@ def dtensor_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def dtensor_logprobs(
     logits: DTensor,
     input_ids: torch.Tensor,

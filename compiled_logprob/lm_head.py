@@ -21,7 +21,7 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _validation, context_parallel
+from compiled_logprob import _agreement, _validation, context_parallel
 from compiled_logprob import logits as _logits
 from compiled_logprob._math import merge
 from compiled_logprob._ops.lm_head import lm_head_stats_of
@@ -116,6 +116,7 @@ def lm_head_token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def lm_head_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -194,6 +195,7 @@ def _lm_head_logprobs(
     return _logits.logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
 
 
+@_agreement.agreed
 def lm_head_topk(
     hidden: torch.Tensor,
     weight: torch.Tensor,

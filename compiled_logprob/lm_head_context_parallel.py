@@ -15,7 +15,7 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import context_parallel, lm_head, packed
+from compiled_logprob import _agreement, context_parallel, lm_head, packed
 
 __all__ = ["lm_head_context_parallel_logprobs", "lm_head_packed_context_parallel_logprobs"]
 
@@ -74,6 +74,7 @@ def lm_head_context_parallel_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def lm_head_context_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -186,6 +187,7 @@ def lm_head_packed_context_parallel_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def lm_head_packed_context_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

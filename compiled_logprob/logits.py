@@ -20,7 +20,7 @@ from typing import Literal, NamedTuple, overload
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _validation
+from compiled_logprob import _agreement, _validation
 from compiled_logprob._math import merge
 from compiled_logprob._math.merge import Stats
 from compiled_logprob._ops.cross_entropy import cross_entropy_of
@@ -117,6 +117,7 @@ def token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def token_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -273,6 +274,7 @@ def _filtered_logprobs(
     return logprobs, stats.verdict
 
 
+@_agreement.agreed
 def vocab_parallel_logsumexp(
     logits: torch.Tensor,
     *,
@@ -291,6 +293,7 @@ def vocab_parallel_logsumexp(
     return stats.shift / _validation.fp32_temperature(temperature) + stats.log_norm
 
 
+@_agreement.agreed
 def vocab_parallel_entropy(
     logits: torch.Tensor,
     *,
@@ -310,6 +313,7 @@ def vocab_parallel_entropy(
     return stats.entropy
 
 
+@_agreement.agreed
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target_logits: torch.Tensor,
@@ -359,6 +363,7 @@ def vocab_parallel_cross_entropy(
     return stats.cross_entropy.view(rows_shape)
 
 
+@_agreement.agreed
 def vocab_parallel_topk(
     logits: torch.Tensor,
     k: int,
@@ -390,6 +395,7 @@ def vocab_parallel_topk(
     return stats.target_logit - stats.log_norm.unsqueeze(-1), stats.topk_ids
 
 
+@_agreement.agreed
 def vocab_parallel_log_softmax(
     logits: torch.Tensor,
     *,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiled_logprob import _comm, _validation, context_parallel
+from compiled_logprob import _agreement, _comm, _validation, context_parallel
 from compiled_logprob._math import layout, merge
 
 __all__ = ["packed_context_parallel_logprobs"]
@@ -132,6 +132,7 @@ def packed_context_parallel_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@_agreement.agreed
 def packed_context_parallel_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _comm, _validation
+from compiled_logprob import _agreement, _comm, _validation
 from compiled_logprob._math import merge
 from compiled_logprob._math import stats as _local
 from compiled_logprob._math import topk as _topk
@@ -18,6 +18,7 @@ from compiled_logprob._math import topk as _topk
 __all__ = ["gather_vocab_parallel", "vocab_parallel_logits_at", "vocab_parallel_topk_logits"]
 
 
+@_agreement.agreed
 def vocab_parallel_topk_logits(
     logits: torch.Tensor,
     k: int,
@@ -41,6 +42,7 @@ def vocab_parallel_topk_logits(
     return _topk.merge_topk(_comm.gather_ranks(candidates, opts.group_name, size), k)
 
 
+@_agreement.agreed
 def vocab_parallel_logits_at(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -83,6 +85,7 @@ def logits_at_unchecked(
     return (local + (total - local.detach()))[..., :k], verdict
 
 
+@_agreement.agreed
 def gather_vocab_parallel(
     tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:

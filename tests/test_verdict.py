@@ -216,3 +216,91 @@ def _benign(case: str) -> tuple[str, str]:
 @pytest.mark.parametrize("case", ["bf16 vs fp64 logits", "chunk_size differs"])
 def test_benign_differences_keep_working(pool, case):
     assert pool.run(_benign, case) == [("ok", "")] * WORLD
+
+
+# --- the agreement check (COMPILED_LOGPROB_CHECK_RANKS=1 / check_ranks) ----------------------
+
+
+def _disagreeing_call(case: str) -> None:
+    """A call whose shapes, options or arguments differ on rank 1 only."""
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    full, shard, start, ids = _inputs(4)
+    options: dict = {"vocab_start": start, "group": group}
+    one = rank == 1
+    if case == "sequence one longer":
+        shard, ids = (torch.cat([shard, shard[:, :1]], 1), torch.cat([ids, ids[:, :1]], 1)) if one else (shard, ids)
+    elif case == "batch one larger":
+        shard, ids = (torch.cat([shard, shard[:1]]), torch.cat([ids, ids[:1]])) if one else (shard, ids)
+    elif case == "K ids on one rank":
+        ids = torch.stack([ids, ids], -1) if one else ids
+    elif case == "return_entropy on one rank":
+        options["return_entropy"] = one
+    elif case == "float target on one rank":
+        ids = ids.float() if one else ids
+    elif case == "chunk_size=0 on one rank":
+        options["chunk_size"] = 0 if one else None
+    elif case == "top_k with another chunk_size":
+        width = 6
+        shard = full[..., rank * width : (rank + 1) * width].float()
+        shard = torch.nn.functional.pad(shard, (0, width - shard.shape[-1]), value=float("-inf"))
+        options = {"vocab_start": rank * width, "group": group, "top_k": 3, "chunk_size": 2 + one}
+    elif case == "topk k = 4 vs 5":
+        cl.vocab_parallel_topk(shard, 4 + one, vocab_start=start, group=group)
+        return
+    elif case == "context-parallel length":
+        local = shard[:, : 2 + 2 * one]
+        cl.context_parallel_logprobs(local, ids[:, :4], cp_group=group)
+        return
+    cl.token_logprobs(shard, ids, **options)
+
+
+def _agreement_case(case: str) -> tuple[tuple[str, str], bool]:
+    """The verdict of a disagreeing call with the check on, and whether a correct call
+    works right after it (the library and the group stay usable)."""
+    previous = cl.check_ranks(True)
+    try:
+        verdict = _verdict(lambda: _disagreeing_call(case))
+        full, shard, start, ids = _inputs(5)
+        out = cl.token_logprobs(shard, ids, vocab_start=start, group=dist.group.WORLD)
+        usable = torch.allclose(out.double(), oracle_logprobs(full, ids), atol=1e-5)
+    finally:
+        cl.check_ranks(previous)
+    return verdict, usable
+
+
+AGREEMENT_CASES = {
+    "sequence one longer": "logits differs: rank 1: [2, 7, '*'], rank 0: [2, 6, '*']",
+    "batch one larger": "logits differs",
+    "K ids on one rank": "target differs",
+    "return_entropy on one rank": "return_entropy differs",
+    "float target on one rank": "rank 1: target must hold integer token ids",
+    "chunk_size=0 on one rank": "rank 1: chunk_size must be >= 1, got 0",
+    "top_k with another chunk_size": "chunk_size differs",
+    "topk k = 4 vs 5": "k differs",
+    "context-parallel length": "logits differs",
+}
+
+
+@pytest.mark.parametrize("case", sorted(AGREEMENT_CASES))
+def test_agreement_check_gives_one_verdict(pool, case):
+    results = pool.run(_agreement_case, case)
+    verdicts = [verdict for verdict, _ in results]
+    _assert_one_verdict(verdicts, AGREEMENT_CASES[case])
+    assert "the ranks' calls disagree" in verdicts[0][1]
+    assert all(usable for _, usable in results), results
+
+
+def test_agreement_check_is_off_by_default():
+    assert cl.check_ranks(False) is False
+
+
+def test_agreement_check_leaves_compiled_calls_whole():
+    """Compiled, the check steps aside (fullgraph, no graph break)."""
+    previous = cl.check_ranks(True)
+    try:
+        logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+        compiled = torch.compile(lambda x, t: cl.token_logprobs(x, t), fullgraph=True)
+        torch.testing.assert_close(compiled(logits, ids), cl.token_logprobs(logits, ids))
+    finally:
+        cl.check_ranks(previous)
