@@ -198,6 +198,23 @@ def finish(scored: Scored) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return scored.logprobs, scored.entropy
 
 
+def scored_token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    return_entropy: bool = False,
+) -> Scored:
+    """:func:`token_logprobs` with its verdict not yet asserted, for callers that assert it
+    after a context-parallel gather (:func:`compiled_logprob.context_parallel.gather_checked`),
+    so that every CP rank raises together."""
+    _validation.check_logits(logits)
+    _validation.check_target(logits, target, None)
+    opts = _validation.options(vocab_start=vocab_start, group=group)
+    return _token_logprobs(logits, target, opts, 1.0, return_entropy)
+
+
 def _token_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,

@@ -136,6 +136,17 @@ def _cp_case(case: str, compiled: bool) -> tuple[str, str]:
     if case == "out-of-vocabulary id at one rank's positions":
         ids[0, 2] = VOCAB  # scored at position 1, which CP rank 0 holds
     shard = cl.shard_for_context_parallel(full, group=cp_group)
+    if case.startswith("distillation"):
+        topk_ids = torch.stack([ids, (ids + 1) % VOCAB], dim=-1)
+        topk_ids[0, 1, 1] = VOCAB  # position 1: CP rank 0's
+        return _verdict(
+            lambda: nemo_compat.get_distillation_topk_logprobs_from_logits(
+                shard, torch.randn(topk_ids.shape), topk_ids,
+                zero_outside_topk=case.endswith("full vocabulary"),
+                calculate_entropy=case.endswith("full vocabulary"),
+                context_parallel_group=cp_group,
+            )
+        )
     if case.startswith("packed"):
         cu = torch.tensor([0, 4, seq])
         if case == "packed, cu_seqlens_padded malformed on one rank" and rank == 1:
@@ -160,6 +171,8 @@ def _cp_case(case: str, compiled: bool) -> tuple[str, str]:
 
 
 CP_CASES = {
+    "distillation, over the full vocabulary": NOT_OWNED,
+    "distillation, over the top k": NOT_OWNED,
     "out-of-vocabulary id at one rank's positions": NOT_OWNED,
     "packed, cu_seqlens_padded malformed on one rank": BAD_PACKING,
     "packed, well formed": "ok",

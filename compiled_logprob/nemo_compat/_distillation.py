@@ -165,14 +165,17 @@ def get_distillation_topk_logprobs_from_logits(
     entropy = None
     if zero_outside_topk:
         local = context_parallel.shard_natural(ids, logits.shape[1], cp_group)
+        scored = core.scored_token_logprobs(
+            logits, local, vocab_start=start, group=group, return_entropy=calculate_entropy
+        )
+        # The verdict is asserted after the CP gather: every CP rank raises together.
+        values = scored.logprobs
+        if scored.entropy is not None:
+            values = torch.cat([values, scored.entropy.unsqueeze(-1)], dim=-1)
+        values = context_parallel.gather_checked(values, scored.verdict, seq_len, cp_group)
+        student = values[..., : ids.shape[-1]]
         if calculate_entropy:
-            student, local_entropy = core.token_logprobs(
-                logits, local, vocab_start=start, group=group, return_entropy=True
-            )
-            entropy = -context_parallel.gather_natural(local_entropy, seq_len, cp_group)[:, :-1]
-        else:
-            student = core.token_logprobs(logits, local, vocab_start=start, group=group)
-        student = context_parallel.gather_natural(student, seq_len, cp_group)
+            entropy = -values[:, :-1, -1]
     else:
         student = gather_logits_at_global_indices(
             logits, ids, group, cp_group,
