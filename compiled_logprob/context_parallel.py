@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from compiled_logprob import _agreement, _comm, _validation
 from compiled_logprob import logits as _logits
 from compiled_logprob._math import layout, merge
-from compiled_logprob._math.kernels import assert_async
 
 __all__ = [
     "context_parallel_logprobs",
@@ -166,7 +165,10 @@ def check_index_tensor(value: object, name: str) -> None:
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {got}")
 
 
-def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> None:
+def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) -> torch.Tensor:
+    """Checks ``seq_index``'s type, shape and device, and returns the verdict bits of its
+    values (a permutation of the positions), computed on the device and checked after the
+    CP gather, so that every CP rank raises together even where one holds a bad copy."""
     check_index_tensor(seq_index, "seq_index")
     if seq_index.shape != (full_len,):
         raise ValueError(
@@ -176,11 +178,8 @@ def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) 
     if seq_index.device != like.device:
         raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
     natural = torch.arange(full_len, device=seq_index.device)
-    assert_async(
-        (seq_index.sort().values == natural).all(),
-        "seq_index must be a permutation of 0 .. CP size x local length - 1 (each natural "
-        "position exactly once)",
-    )
+    permutation = (seq_index.sort().values == natural).all()
+    return (~permutation).float() * merge.BAD_SEQ_INDEX
 
 
 def local_temperature(
@@ -392,12 +391,14 @@ def cp_logprobs(
             f"the {name} hold {local_len} positions {where}, fewer than the {seq_len} "
             f"positions of input_ids {tuple(input_ids.shape)}"
         )
+    problems = None
     if seq_index is None:
         check_local_len(local_len, size, f"{name} of shape {tuple(shard.shape)}")
         positions = layout.positions(local_len, size, shard.device)
     else:
-        check_seq_index(seq_index, padded_len, shard)
-        positions = seq_index.view(size, local_len)
+        problems = check_seq_index(seq_index, padded_len, shard)
+        # Clamped, so that a bad seq_index reaches the verdict rather than an index error.
+        positions = seq_index.clamp(0, padded_len - 1).view(size, local_len)
 
     def this_rank(per_position: torch.Tensor, fill: int) -> torch.Tensor:
         padded = F.pad(per_position, (0, padded_len - per_position.shape[-1]), value=fill)
@@ -412,6 +413,7 @@ def cp_logprobs(
         this_rank(scored, 0),
         temperature=local_temperature(temperature, scored.shape, lambda t: this_rank(t, 1)),
         return_entropy=return_entropy,
+        problems=problems,
     )
     group_name = None if cp_group is None or size == 1 else cp_group.group_name
     result = layout.gather_to_positions(result, positions, group_name, -1)[..., : scored.shape[-1]]

@@ -116,8 +116,9 @@ def _natural_ids(
             f"size {size}"
         )
     local = target.to_local()
+    # Its values are checked with the log-probs' verdict, after their CP gather.
     context_parallel.check_seq_index(seq_index, target.shape[-1], local)
-    positions = seq_index.view(size, -1)
+    positions = seq_index.clamp(0, target.shape[-1] - 1).view(size, -1)
     ids = layout.gather_to_positions(local, positions, cp_group.group_name, -1)
     return ids, cp_group, seq_index
 

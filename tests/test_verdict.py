@@ -136,6 +136,14 @@ def _cp_case(case: str, compiled: bool) -> tuple[str, str]:
     if case == "out-of-vocabulary id at one rank's positions":
         ids[0, 2] = VOCAB  # scored at position 1, which CP rank 0 holds
     shard = cl.shard_for_context_parallel(full, group=cp_group)
+    if case.startswith("seq_index"):
+        seq_index = torch.arange(seq)
+        if rank == 1:
+            seq_index[0] = 1  # not a permutation, on one rank only
+        local = full[:, rank * seq // 2 : (rank + 1) * seq // 2]
+        return _verdict(
+            lambda: cl.context_parallel_logprobs(local, ids, cp_group=cp_group, seq_index=seq_index)
+        )
     if case.startswith("distillation"):
         topk_ids = torch.stack([ids, (ids + 1) % VOCAB], dim=-1)
         topk_ids[0, 1, 1] = VOCAB  # position 1: CP rank 0's
@@ -171,6 +179,7 @@ def _cp_case(case: str, compiled: bool) -> tuple[str, str]:
 
 
 CP_CASES = {
+    "seq_index not a permutation on one rank": "seq_index must be a permutation",
     "distillation, over the full vocabulary": NOT_OWNED,
     "distillation, over the top k": NOT_OWNED,
     "out-of-vocabulary id at one rank's positions": NOT_OWNED,

@@ -24,9 +24,13 @@ OWNERSHIP_ERROR = (
     "Mask it (ignore_index=... gives log-prob 0) or fix the shard bounds."
 )
 # The verdict's problem bits, and what each says on every rank.
-NOT_OWNED, IDS_DIFFER, TEMPERATURES_DIFFER, BAD_PACKING = 1, 2, 4, 8
+NOT_OWNED, IDS_DIFFER, TEMPERATURES_DIFFER, BAD_PACKING, BAD_SEQ_INDEX = 1, 2, 4, 8, 16
 # Checked in this order: a malformed packing or ids that differ make targets unowned too.
 PROBLEMS = {
+    BAD_SEQ_INDEX: (
+        "compiled_logprob: seq_index must be a permutation of 0 .. CP size x local length - 1 "
+        "(each natural position exactly once), the same on every CP rank"
+    ),
     BAD_PACKING: (
         "compiled_logprob: cu_seqlens_padded must start at 0, never decrease, end at T (the "
         "packed row's length) and, under CP, hold multiples of 2 * cp_size, on every CP rank"
