@@ -126,9 +126,12 @@ def _describe(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def _encode(record: dict[str, Any]) -> torch.Tensor:
     data = json.dumps(record, default=str).encode()
-    if len(data) > RECORD_BYTES:  # keep the error, which says the most
-        record = {"error": str(record.get("error"))[:RECORD_BYTES // 2], "truncated": True}
-        data = json.dumps(record, default=str).encode()[:RECORD_BYTES]
+    if len(data) > RECORD_BYTES:  # keep the call and its verdict, which say the most
+        verdict = record.get("verdict")
+        if verdict is not None:
+            verdict = {**verdict, "message": verdict["message"][: RECORD_BYTES // 2]}
+        record = {"call": record.get("call"), "truncated": True, "verdict": verdict}
+        data = json.dumps(record, default=str).encode()
     buffer = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
     buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buffer

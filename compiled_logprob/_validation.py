@@ -233,12 +233,12 @@ def check_topk(k: object, vocab_start: int, width: int) -> int:
             f"the top-k supports vocabularies of up to 2**24 ids (they travel as fp32), but "
             f"this shard ends at id {vocab_end}"
         )
-    if as_int(k, "k") not in range(1, width + 1):
+    if (count := as_int(k, "k")) not in range(1, width + 1):
         raise ValueError(
             f"k must be an int in [1, V_local = {width}] (this rank's vocabulary slice), "
             f"got {k!r}"
         )
-    return as_int(k, "k")
+    return count
 
 
 def options(

@@ -179,7 +179,7 @@ def check_seq_index(seq_index: torch.Tensor, full_len: int, like: torch.Tensor) 
         raise ValueError(f"seq_index is on {seq_index.device}, expected {like.device}")
     natural = torch.arange(full_len, device=seq_index.device)
     permutation = (seq_index.sort().values == natural).all()
-    return (~permutation).float() * merge.BAD_SEQ_INDEX
+    return merge.verdict_of(permutation, bad_seq_index=~permutation)
 
 
 def local_temperature(

@@ -69,7 +69,7 @@ def _packing_problems(cu: torch.Tensor, total: int, size: int) -> torch.Tensor:
     well_formed = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
     if size > 1:
         well_formed = well_formed & (cu % (2 * size) == 0).all()
-    return (~well_formed).float() * merge.BAD_PACKING
+    return merge.verdict_of(well_formed, bad_packing=~well_formed)
 
 
 @overload

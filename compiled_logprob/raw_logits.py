@@ -80,7 +80,8 @@ def logits_at_unchecked(
     # [x at each id where this shard owns it, else 0; 1.0 where it owns it]: summed over TP.
     local = _local.target_stats(logits, ids, opts.vocab_start)
     total = _comm.all_reduce_sum(local.detach(), opts.group_name)
-    verdict = merge.verdict_of(not_owned=(total[..., k:] != 1).any(-1))
+    not_owned = (total[..., k:] != 1).any(-1)
+    verdict = merge.verdict_of(not_owned, not_owned=not_owned)
     # The sum's value, with each rank's gradient flowing to its own ids only.
     return (local + (total - local.detach()))[..., :k], verdict
 

@@ -102,6 +102,7 @@ def filtered_stats(
         valid = valid | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
     verdict = verdict_of(
+        log_norm,
         not_owned=~valid.all(-1),
         ids_differ=ids_differ,
         temperatures_differ=temperatures_differ,

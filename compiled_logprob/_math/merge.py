@@ -60,17 +60,23 @@ def differ(gathered: torch.Tensor) -> torch.Tensor:
     return (gathered != gathered[:1]).any(0).any(-1)
 
 
-def verdict_of(**problems: torch.Tensor | None) -> torch.Tensor:
-    """The per-row verdict (fp32 ``[B, S]``): the sum of the bits of ``problems`` (bool
-    ``[B, S]`` each, or ``None``), named as in :data:`PROBLEMS` (``not_owned=...``)."""
-    bits = {"not_owned": NOT_OWNED, "ids_differ": IDS_DIFFER,
-            "temperatures_differ": TEMPERATURES_DIFFER, "bad_packing": BAD_PACKING}
-    verdict = None
+_BITS = {
+    "not_owned": NOT_OWNED,
+    "ids_differ": IDS_DIFFER,
+    "temperatures_differ": TEMPERATURES_DIFFER,
+    "bad_packing": BAD_PACKING,
+    "bad_seq_index": BAD_SEQ_INDEX,
+}
+
+
+def verdict_of(like: torch.Tensor, **problems: torch.Tensor | None) -> torch.Tensor:
+    """The verdict, fp32 of ``like``'s shape (``[B, S]`` per row, or a scalar for a whole
+    call): the sum of the bits of ``problems`` (bool tensors that broadcast to it, or
+    ``None``), named as in :data:`PROBLEMS` (``not_owned=...``); 0 where none is set."""
+    verdict = torch.zeros_like(like, dtype=torch.float32)
     for name, problem in problems.items():
         if problem is not None:
-            term = problem.float() * bits[name]
-            verdict = term if verdict is None else verdict + term
-    assert verdict is not None, "a verdict needs at least one problem"
+            verdict = verdict + problem.float() * _BITS[name]
     return verdict
 
 
@@ -176,17 +182,11 @@ def exchange_stats(
     temperatures_differ = None if temperature is None else differ(gathered[..., -1:])
     if topk:
         candidates, ids = merge_topk(gathered[..., first : first + 2 * topk], topk)
-        verdict = verdict_of(
-            not_owned=torch.zeros_like(log_norm, dtype=torch.bool),
-            temperatures_differ=temperatures_differ,
-        )
+        verdict = verdict_of(log_norm, temperatures_differ=temperatures_differ)
         return Stats(shift, log_norm, shifted(candidates), entropy, ids, verdict)
     no_ids = log_norm.new_zeros(*log_norm.shape, 0, dtype=torch.int64)
     if target is None:
-        verdict = verdict_of(
-            not_owned=torch.zeros_like(log_norm, dtype=torch.bool),
-            temperatures_differ=temperatures_differ,
-        )
+        verdict = verdict_of(log_norm, temperatures_differ=temperatures_differ)
         no_targets = log_norm.new_zeros(*log_norm.shape, 0)
         return Stats(shift, log_norm, no_targets, entropy, no_ids, verdict)
     k = target.shape[-1]
@@ -197,6 +197,7 @@ def exchange_stats(
         owned_once = owned_once | ignored
         target_logit = torch.where(ignored, 0.0, target_logit)
     verdict = verdict_of(
+        log_norm,
         not_owned=~owned_once.all(-1),
         ids_differ=differ(gathered[..., first + 2 * k : first + 3 * k]),
         temperatures_differ=temperatures_differ,
