@@ -135,6 +135,12 @@ def fp32_temperature(temperature: float | torch.Tensor) -> float | torch.Tensor:
     return temperature.float() if isinstance(temperature, torch.Tensor) else temperature
 
 
+# Formed once: under torch.compile(dynamic=True) a float read at trace time is symbolic.
+_TEMPERATURE_MESSAGE = (
+    f"temperature must be a finite fp32 number >= {TEMPERATURE_RANGE[0]:.3g} everywhere"
+)
+
+
 def temperature_rows(
     temperature: float | torch.Tensor,
     rows_shape: torch.Size,
@@ -165,10 +171,7 @@ def temperature_rows(
                 f"positions {tuple(rows_shape)}: pass a float, or a tensor of shape [..., S] "
                 "or [..., 1] (one temperature per row)"
             ) from None
-        assert_async(
-            ((rows >= low) & (rows <= high)).all(),
-            f"temperature must be a finite fp32 number >= {low:.3g} everywhere",
-        )
+        assert_async(((rows >= low) & (rows <= high)).all(), _TEMPERATURE_MESSAGE)
     else:
         check_float_temperature(temperature, "a float or a tensor")
         if temperature == 1:
