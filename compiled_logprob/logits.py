@@ -4,8 +4,8 @@ Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``V`` the fu
 vocabulary, ``V_local`` this rank's vocabulary slice ``[vocab_start, vocab_start + V_local)``.
 
 Every function takes the logits of one vocabulary shard and returns values defined over the
-*full* vocabulary: only per-row ``[B, S]`` statistics cross ranks (one all-gather per call,
-chunked or not). The backward of the per-row results (log-probs, logsumexp) communicates
+*full* vocabulary: only per-row ``[B, S]`` statistics cross ranks (an all-gather and an
+all-reduce per call, chunked or not). The backward of the per-row results (log-probs, logsumexp) communicates
 nothing; only the sharded log-softmax, whose every entry depends on every shard, all-reduces
 one ``[B, S]`` vector in backward. All of it traces whole under
 ``torch.compile(fullgraph=True)``, performs no host synchronisation (so it can be captured
@@ -145,7 +145,7 @@ def token_logprobs(
             the vocabulary is not sharded.
         chunk_size: process at most this many positions at a time, so that no eager
             temporary exceeds ``O(B * chunk_size * V_local)`` (compiled, the fused pass keeps
-            no such temporary at all). Still one collective per call.
+            no such temporary at all). The same collectives and the same bits.
         ignore_index: targets equal to it get log-prob 0 and no gradient.
         temperature: the softmax is over ``logits / temperature``: a float, or a tensor that
             broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row). The scaled logits are
@@ -321,7 +321,8 @@ def vocab_parallel_entropy(
     """Entropy of the full-vocabulary distribution per position, fp32 ``[..., S]``, differentiable.
 
     Eager equivalent: ``torch.distributions.Categorical(logits=full_logits.float() / temperature).entropy()``.
-    One all-gather of ``[..., S, 3]`` statistics; no collective in backward.
+    One all-gather of ``[..., S, 1]`` statistics and one all-reduce of ``[..., S, 2]`` exact
+    sums; no collective in backward.
     """
     _validation.check_logits(logits)
     opts = _validation.options(group=group, chunk_size=chunk_size)

@@ -1117,7 +1117,15 @@ def _lm_head_backward_cases(dtype: torch.dtype, group_name: str):
             yield args, {**options, **flags}
 
 
+def _pointwise_cases(dtype: torch.dtype, group_name: str):
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.rand(2, 5, 3, generator=gen).to(dtype) + 0.5
+    yield (rows, "exp"), {}
+    yield (rows.double(), "log"), {}
+
+
 OPCHECK_CASES = {
+    "compiled_logprob::pointwise": _pointwise_cases,
     "compiled_logprob::vocab_parallel_stats": _stats_cases,
     "compiled_logprob::vocab_parallel_stats_backward": _stats_backward_cases,
     "compiled_logprob::filtered_stats": _filtered_cases,

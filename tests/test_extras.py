@@ -24,11 +24,8 @@ from helpers import (
     EXTRAS_APIS,
     FP32_EPS,
     IGNORE,
-    case_id,
     check_extras_case,
     check_sharded_property,
-    compiled_per_case,
-    extras_ours,
     rank_and_size,
     run_cases,
 )
@@ -37,7 +34,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compiled_logprob as cl
-from compiled_logprob._math import kernels, stats, topk
+from compiled_logprob._math import kernels, stats, tiles, topk
+from compiled_logprob._math.tiles import TILE_WIDTH
 from compiled_logprob.testing.reference import oracle_log_softmax, vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -203,46 +201,35 @@ def test_chunked(gloo_pool, chunk):
     run_cases(gloo_pool, 3, check_extras_case, cases)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(entropy=True, ignore=True, temperature="position", dtype="bf16", seed=60),
-        Case(entropy=True, special="inf_shard", scale=1000.0, temperature="row", seed=61),
-        Case(api="vocab_parallel_entropy", special="nan_row", seed=62),
-    ],
-    ids=case_id,
-)
-def test_online_softmax_form(monkeypatch, case):
-    """The statistics in the form Inductor's online softmax matches (taken on CUDA only,
-    where it is Triton's), forced here and compiled on the CPU, against the oracle."""
-    monkeypatch.setattr(stats, "uses_online_softmax", lambda logits: True)
-    check_extras_case(case, None, run_ours=compiled_per_case(extras_ours))
-
-
-def test_online_softmax_form_of_empty_and_infinite_rows():
-    """Rows no single-process case has: all ``-inf`` (a shard wholly vocabulary padding,
-    with TP > 1) sums to 0 with no entropy term, and a ``+inf`` max sums to ``inf``, as in
-    the shifted form, traced (base 2) or eager (nats); the other rows agree to fp32
-    rounding."""
-    logits = 3 * torch.randn(2, 4, 50, generator=torch.Generator().manual_seed(0))
+def test_tile_statistics_of_empty_and_infinite_rows():
+    """A shard's tiles start at its first id, the last one narrower; an all ``-inf`` tile
+    (vocabulary padding) sums to 0 with no entropy term and a ``+inf`` max sums to ``inf``,
+    traced (base 2) or eager (nats), which agree to fp32 rounding elsewhere."""
+    logits = 3 * torch.randn(2, 4, 2 * TILE_WIDTH + 50, generator=torch.Generator().manual_seed(0))
     logits[0, 0] = float("-inf")
     logits[0, 1, 7] = float("inf")
-    logits[0, 2, :40] = float("-inf")
+    logits[0, 2, :TILE_WIDTH] = float("-inf")
     temperature = torch.tensor([[0.5, 1.0, 1.5, 2.0], [0.7, 0.9, 1.1, 1.3]])
-    online = torch.cat(stats.online_softmax_stats(logits, temperature, True), dim=-1)
-    assert torch.equal(online[0, 0], torch.tensor([float("-inf"), 0.0, 0.0]))
-    assert torch.equal(online[0, 1, :2], torch.tensor([float("inf"), float("inf")]))
-    finite_max = online[..., 0].isfinite()
-    for eager in (False, True):
-        shifted = torch.cat(
-            stats.shifted_stats(
-                logits, temperature=temperature, with_entropy=True,
-                ops=kernels.Eager() if eager else kernels.Traced(),
-            ),
-            dim=-1,
-        )
-        torch.testing.assert_close(online[..., :2], shifted[..., :2])
-        torch.testing.assert_close(online[finite_max], shifted[finite_max])
+    traced, eager = (
+        stats.local_stats(logits, None, 0, temperature=temperature, with_entropy=True, ops=ops).tiles
+        for ops in (kernels.Traced(), kernels.Eager())
+    )
+    assert traced.shape == (2, 4, 3, 3)
+    empty = torch.tensor([float("-inf"), 0.0, 0.0])
+    assert torch.equal(traced[0, 0], empty.expand(3, 3))
+    assert torch.equal(traced[0, 2, 0], empty)
+    assert torch.equal(traced[0, 1, 0, :2], torch.tensor([float("inf"), float("inf")]))
+    finite = traced[..., 0].isfinite()
+    torch.testing.assert_close(traced[finite], eager[finite])
+
+
+def test_fixed_point_sums_are_exact_in_any_order():
+    terms = TILE_WIDTH * torch.rand(3, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    total = tiles.fixed_point(terms)
+    assert torch.equal(total, tiles.fixed_point(terms.flip(-1)))
+    assert torch.equal(total, tiles.fixed_point(terms[:, :500]) + tiles.fixed_point(terms[:, 500:]))
+    error = (tiles.from_fixed_point(total) - terms.sum(-1)).abs().max().item()
+    assert error <= 1000 * 2.0 ** -(tiles.FRACTION_BITS + 1)
 
 
 @st.composite

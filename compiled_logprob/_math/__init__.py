@@ -1,7 +1,10 @@
-"""The math of the vocab-parallel softmax, split by concern; no op registrations here.
+"""The math of the vocab-parallel softmax, split by concern. No op registrations here but
+one primitive the math itself calls: ``kernels.pointwise``, per-row ``exp``/``log`` with the
+same bits at any shape (opaque to the compiler).
 
-``kernels`` (eager vs traced ops) → ``stats`` and ``topk`` (one shard's statistics) →
-``merge`` (every rank's statistics merged, after the one all-gather) → ``grad``
+``kernels`` (eager vs traced ops) → ``tiles`` (the fixed reduction order) → ``stats`` and
+``topk`` (one shard's statistics) → ``merge`` (every rank's statistics merged, after an
+all-gather and an all-reduce of exact sums) → ``grad``
 (gradients); ``filtering`` and ``cross_entropy`` are the top-k/top-p and distillation
 variants; ``layout`` maps context-parallel positions.
 

@@ -20,7 +20,6 @@ from compiled_logprob._math.kernels import (
     finite_or_zero,
     promoted,
 )
-from compiled_logprob._math.merge import common_shift
 
 
 class CrossEntropyStats(NamedTuple):
@@ -34,6 +33,18 @@ class CrossEntropyStats(NamedTuple):
 
     def block(self, rows: slice) -> CrossEntropyStats:
         return CrossEntropyStats(*(block_rows(t, rows) for t in self))
+
+
+def common_shift(
+    row_max: torch.Tensor, sum_exp: torch.Tensor, inverse_t: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(shift, shard_mass, factor)`` of every rank's row max and ``Σ exp(z − its max)``
+    ``[R, B, S]``: the common ``shift`` (the global max, 0 where infinite), each shard's sum
+    rescaled to it, and the rescaling ``factor``. A -inf shard's factor is exp(-inf) = 0,
+    whatever the shift it summed with."""
+    shift = finite_or_zero(row_max.amax(0))
+    factor = torch.exp((row_max - shift) * inverse_t)
+    return shift, sum_exp * factor, factor
 
 
 def cross_entropy_stats(

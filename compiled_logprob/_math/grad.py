@@ -18,6 +18,7 @@ from compiled_logprob._math.kernels import (
     Kernels,
     Traced,
     block_rows,
+    exact_exp,
     exponent_scale,
     promoted,
 )
@@ -156,7 +157,7 @@ def softmax_terms(
     """
     temperature = saved.temperature
     # Per-row factor of every term: 1 / (total · T).
-    factor = torch.exp(-saved.log_norm) * (1.0 if temperature is None else 1.0 / temperature)
+    factor = exact_exp(-saved.log_norm) * (1.0 if temperature is None else 1.0 / temperature)
     scale = exponent_scale(temperature, ops)
     # per_row gives a tensor for a tensor: the shift is one.
     if grads.entropy is None:

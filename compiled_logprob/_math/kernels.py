@@ -39,6 +39,34 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
     _assert_async(condition, message)
 
 
+@torch.library.custom_op("compiled_logprob::pointwise", mutates_args=())
+def pointwise(x: torch.Tensor, function: str) -> torch.Tensor:
+    """``torch.exp(x)`` or ``torch.log(x)`` (``function``), as ATen computes it, opaque to
+    the compiler: the same bits for an entry whatever the tensor's shape, eager or compiled.
+
+    Inductor's CPU code computes exp and log with its vector functions in vectorised loops
+    and with libm's in scalar ones, and which loop a row's statistics fall in depends on the
+    number of rows (docs/design.md, "Batch invariance"). Per-row and per-tile functions
+    take this op; passes over the vocabulary stay fused (their inner loop is always the
+    vectorised one)."""
+    return torch.exp(x) if function == "exp" else torch.log(x)
+
+
+@pointwise.register_fake
+def _(x: torch.Tensor, function: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def exact_exp(x: torch.Tensor) -> torch.Tensor:
+    """Per-row ``exp``, the same bits at any shape (:func:`pointwise`)."""
+    return pointwise(x, "exp")
+
+
+def exact_log(x: torch.Tensor) -> torch.Tensor:
+    """Per-row ``log``, the same bits at any shape (:func:`pointwise`)."""
+    return pointwise(x, "log")
+
+
 def promoted(logits: torch.Tensor) -> torch.Tensor:
     """The logits as they are when every use promotes them to fp32 exactly (16- and 32-bit
     floats meet an fp32 tensor in each op), else an fp32 copy."""
@@ -74,9 +102,9 @@ def sliced(
     return reduced if rest.shape[-1] == 0 else combine(reduced, reduce(rest))
 
 
-def row_max(x: torch.Tensor) -> torch.Tensor:
+def row_max(x: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
     """The traced ``x.amax(-1, keepdim=True)``, over slices on the CPU."""
-    return sliced(x, torch.maximum, lambda t: t.amax(-1, keepdim=True))
+    return sliced(x, torch.maximum, lambda t: t.amax(-1, keepdim=True), slices)
 
 
 def row_sum(terms: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
@@ -101,16 +129,18 @@ class Traced:
         """The block as fp32 arithmetic reads it (promoted in each op, no copy)."""
         return promoted(block)
 
-    def row_max(self, x: torch.Tensor) -> torch.Tensor:
-        return row_max(x)
+    def row_max(self, x: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
+        return row_max(x, slices)
 
     def row_sum(self, terms: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
         return row_sum(terms, slices)
 
-    def xexp_sum(self, exponents: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    def xexp_sum(
+        self, exponents: torch.Tensor, exps: torch.Tensor, slices: int = PAIR_SLICES
+    ) -> torch.Tensor:
         """``Σ c · e^c`` per row, 0 for the terms where ``c = -inf``: a floor on ``c`` does it
         (``e^c`` is 0 there already; a nansum would split the loop)."""
-        return row_sum(exponents.clamp(min=EXPONENT_FLOOR) * exps, PAIR_SLICES)
+        return row_sum(exponents.clamp(min=EXPONENT_FLOOR) * exps, slices)
 
     def per_row(self, *values: torch.Tensor | float) -> list[torch.Tensor | float]:
         """``values`` (``[B, S]`` tensors or floats) as ``[B, S, 1]`` factors of a pass. On
@@ -185,13 +215,15 @@ class Eager(Traced):
             return block
         return block.float() if into is None else into.copy_(block)
 
-    def row_max(self, x: torch.Tensor) -> torch.Tensor:
+    def row_max(self, x: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
         return x.amax(-1, keepdim=True)
 
     def row_sum(self, terms: torch.Tensor, slices: int = ROW_SLICES) -> torch.Tensor:
         return terms.sum(-1, keepdim=True)
 
-    def xexp_sum(self, exponents: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    def xexp_sum(
+        self, exponents: torch.Tensor, exps: torch.Tensor, slices: int = PAIR_SLICES
+    ) -> torch.Tensor:
         """``Σ c · e^c`` per row, in place in ``exponents``: nansum drops the ``-inf · 0``
         terms at no cost (a NaN logit still gives NaN: it is the max, and every sum has it)."""
         return exponents.mul_(exps).nansum(-1, keepdim=True)

@@ -1,7 +1,9 @@
-"""Every rank's statistics merged into the full vocabulary's: the one all-gather per call,
-then per-row arithmetic. Only per-row statistics cross ranks.
+"""Every rank's statistics merged into the full vocabulary's: an all-gather of per-row
+statistics, an all-reduce of exact fixed-point tile sums (``tiles``), then per-row
+arithmetic. Only per-row statistics cross ranks, and the results are the same bits however
+the vocabulary is sharded.
 
-The same all-gather carries what every rank must agree on (the target ids, a temperature
+The all-gather carries what every rank must agree on (the target ids, a temperature
 tensor's values), so every rank reaches the same verdict on the same data, for free: a
 per-row ``verdict`` of problem bits, which the public layer asserts on the device (no host
 sync) right away, or after the context-parallel gather, so that all CP ranks raise together
@@ -15,7 +17,9 @@ from typing import NamedTuple
 import torch
 
 from compiled_logprob import _comm
-from compiled_logprob._math.kernels import assert_async, finite_or_zero
+from compiled_logprob._math import tiles
+from compiled_logprob._math.kernels import assert_async, exact_exp, exact_log, finite_or_zero
+from compiled_logprob._math.stats import LocalStats
 from compiled_logprob._math.topk import merge_topk
 
 OWNERSHIP_ERROR = (
@@ -118,33 +122,8 @@ def empty_stats(rows: torch.Tensor, target: torch.Tensor | None, topk: int) -> S
     )
 
 
-def common_shift(
-    row_max: torch.Tensor, sum_exp: torch.Tensor, inverse_t: float | torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(shift, shard_mass, factor)`` of every rank's row max and ``Σ exp(z − its max)``
-    ``[R, B, S]``: the common ``shift`` (the global max, 0 where infinite), each shard's sum
-    rescaled to it, and the rescaling ``factor``. A -inf shard's factor is exp(-inf) = 0,
-    whatever the shift it summed with."""
-    shift = finite_or_zero(row_max.amax(0))
-    factor = torch.exp((row_max - shift) * inverse_t)
-    return shift, sum_exp * factor, factor
-
-
-def mixture_entropy(log_weights: torch.Tensor, entropies: torch.Tensor, dim: int) -> torch.Tensor:
-    """Entropy ``Σ_i w_i · (H_i − log w_i)`` of a mixture of disjoint distributions with
-    weights ``w = exp(log_weights)`` (summing to 1 along ``dim``) and entropies ``H``.
-
-    Every term is non-negative, so nothing cancels: the error stays a few ulps of the
-    logits, where ``lse − E[z]`` would lose ulps of ``|z|`` times ``|z|``. A component of
-    weight 0 contributes 0, even when its ``log w`` is ``-inf`` or NaN (a whole -inf shard);
-    a NaN weight (a NaN logit) makes the entropy NaN.
-    """
-    weights = torch.exp(log_weights)
-    return torch.where(weights == 0, 0.0, weights * (entropies - log_weights)).sum(dim)
-
-
 def exchange_stats(
-    stats: torch.Tensor,
+    local: LocalStats,
     target: torch.Tensor | None,
     group_name: str | None,
     ignore_index: int | None,
@@ -153,32 +132,27 @@ def exchange_stats(
     with_entropy: bool = False,
     topk: int = 0,
 ) -> Stats:
-    """All-gather this shard's statistics ``[B, S, F]`` (the one collective) and merge every
-    rank's into :class:`Stats`: of ``target`` ``[B, S, K]`` (0 where ignored; ``K = 0``
-    without a target), or with ``topk`` of the global top ``topk``.
+    """Every rank's :class:`LocalStats` merged into :class:`Stats`: of ``target``
+    ``[B, S, K]`` (0 where ignored; ``K = 0`` without a target), or with ``topk`` of the
+    global top ``topk``.
 
-    ``stats`` ends with :func:`agreed_columns`; the verdict flags rows whose non-ignored
-    targets are not owned by exactly one rank, and rows where ranks disagree on them.
+    Two collectives: an all-gather of the per-row statistics ``local.rows`` ``[B, S, F]``
+    (ending with :func:`agreed_columns`), which gives the global max; then an all-reduce of
+    the tiles' sums rescaled to it, as exact fixed-point integers (``tiles``), so that the
+    totals are the same bits whatever the sharding. The verdict flags rows whose
+    non-ignored targets are not owned by exactly one rank, and rows where ranks disagree
+    on them.
     """
-    gathered = _comm.gather_ranks(stats, group_name)
-    row_max, sum_exp = gathered[..., 0], gathered[..., 1]
-    inverse_t = torch.ones_like(row_max[0]) if temperature is None else 1.0 / temperature
-    shift, shard_mass, _ = common_shift(row_max, sum_exp, inverse_t)
-    total = shard_mass.sum(0)
-    log_norm = torch.log(total)
-    if with_entropy:
-        # The full softmax is the mixture of the shards' softmaxes, with weights
-        # shard_mass / total; a shard's entropy is log Σe − Σe·c / Σe (c = z − max ≤ 0).
-        shard_entropy = torch.log(sum_exp) - gathered[..., 2] / sum_exp
-        log_weights = torch.log(shard_mass) - log_norm
-        entropy = mixture_entropy(log_weights, shard_entropy, 0)
-    else:
-        entropy = torch.zeros_like(log_norm)
+    gathered = _comm.gather_ranks(local.rows, group_name)
+    top = gathered[..., 0].amax(0)  # [B, S] the global max, NaN if any logit is
+    shift = finite_or_zero(top)
+    inverse_t = torch.ones_like(top) if temperature is None else 1.0 / temperature
+    log_norm, entropy = _normalisers(local.tiles, top, shift, inverse_t, group_name, with_entropy)
 
     def shifted(logits: torch.Tensor) -> torch.Tensor:  # [B, S, K] x -> z − shift / T
         return (logits - shift.unsqueeze(-1)) * inverse_t.unsqueeze(-1)
 
-    first = 3 if with_entropy else 2
+    first = 1
     temperatures_differ = None if temperature is None else differ(gathered[..., -1:])
     if topk:
         candidates, ids = merge_topk(gathered[..., first : first + 2 * topk], topk)
@@ -203,3 +177,44 @@ def exchange_stats(
         temperatures_differ=temperatures_differ,
     )
     return Stats(shift, log_norm, target_logit, entropy, no_ids, verdict)
+
+
+def _normalisers(
+    per_tile: torch.Tensor,
+    top: torch.Tensor,
+    shift: torch.Tensor,
+    inverse_t: torch.Tensor,
+    group_name: str | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_norm, entropy)`` ``[B, S]`` of every rank's tiles ``[B, S, T, P]``
+    (:mod:`tiles`' order): each tile's ``Σ exp(u)`` (and ``Σ u · exp(u)``) rescaled to the
+    global max ``top`` (``shift`` where finite), summed exactly over tiles and ranks.
+
+    With ``c = (shift − x_max) / T ≥ 0`` a tile's terms are ``e^-c · Σ exp(u)`` and
+    ``e^-c · (Σ u · exp(u) − c · Σ exp(u))`` (``≤ 0``), so that ``entropy = log Σ − Σ' / Σ``
+    adds two non-negative terms and nothing cancels. A +inf max gives ``inf`` and a NaN
+    one NaN; an all ``-inf`` row has ``Σ = 0``: log-normaliser ``-inf``, entropy 0.
+    """
+    tile_max, tile_sum = per_tile[..., 0], per_tile[..., 1]
+    offset = (tile_max - shift.unsqueeze(-1)) * inverse_t.unsqueeze(-1)  # -c <= 0
+    factor = exact_exp(offset)
+    # A tile of -inf only (offset -inf, sum 0) adds 0, as its factor says.
+    sums = [torch.where(factor == 0, 0.0, tile_sum * factor)]
+    if with_entropy:
+        weighted = (per_tile[..., 2] + offset * tile_sum) * factor
+        sums.append(torch.where(factor == 0, 0.0, weighted))
+    finite = top.isfinite().unsqueeze(-1)
+    exact = torch.stack([tiles.fixed_point(torch.where(finite, s, 0.0)) for s in sums], -1)
+    totals = tiles.from_fixed_point(_comm.all_reduce_sum(exact, group_name))
+    total = totals[..., 0]
+    special = torch.where(top.isnan(), torch.nan, torch.inf)
+    log_total = exact_log(total)
+    log_norm = torch.where(top.isfinite() | (top == -torch.inf), log_total, special)
+    if not with_entropy:
+        return log_norm.float(), torch.zeros_like(log_norm, dtype=torch.float32)
+    entropy = torch.where(total == 0, 0.0, log_total - totals[..., 1] / total)
+    entropy = torch.where(top.isfinite() | (top == -torch.inf), entropy, torch.nan)
+    return log_norm.float(), entropy.float()
+
+

@@ -1,30 +1,37 @@
 """One shard's statistics: a single pass over its logits, before anything crosses ranks.
 
-The statistics of a shard, fp32 ``[B, S, F]``, are raw sums, so that one loop over the
-logits produces them all and the logs and divisions wait until after the exchange
-(``merge``): ``[max x, Σ exp(u), Σ u · exp(u) (with entropy), x_target × K, owned × K]``
-with ``u = (x − max x) / T``, or with a top-k ``[..., candidate x × k, candidate id × k]``
-(``topk``) in place of the target's part. Maxima and logits travel unscaled (``x``, not
-``z``): after the exchange ``(x − shift) / T`` is exact up to one rounding, so log-probs
-keep their precision however large the logits are. The statistics are the last dimension:
-Inductor's CPU code keeps a per-row epilogue inside the reduction loop only when it walks
-the rows one at a time.
+A shard's statistics are raw sums, so that one loop over the logits produces them all and
+the logs and divisions wait until after the exchange (``merge``). They come in two parts
+(:class:`LocalStats`): per row, fp32 ``[B, S, F]``, ``[max x, x_target × K, owned × K]``
+(or, with a top-k, ``topk``'s candidates in place of the target's part); and per tile of
+the vocabulary (``tiles``: the fixed reduction order), fp32 ``[B, S, T, P]``,
+``[max x, Σ exp(u), Σ u · exp(u) (with entropy)]`` with ``u = (x − max x) / T`` over the
+tile. Maxima and logits travel unscaled (``x``, not ``z``): after the exchange
+``(x − shift) / T`` is exact up to one rounding, so log-probs keep their precision however
+large the logits are.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from compiled_logprob._math import tiles
 from compiled_logprob._math.kernels import (
-    EXPONENT_FLOOR,
-    INF,
-    PAIR_SLICES,
     Eager,
     Kernels,
     Traced,
     exponent_scale,
     finite_or_zero,
 )
+
+
+class LocalStats(NamedTuple):
+    """One shard's statistics, before the exchange."""
+
+    rows: torch.Tensor  # [B, S, F] fp32: [max x, x_target × K, owned × K]
+    tiles: torch.Tensor  # [B, S, T, P] fp32: [max x, Σ exp(u)(, Σ u · exp(u))] per tile
 
 
 def local_stats(
@@ -34,31 +41,56 @@ def local_stats(
     *,
     temperature: torch.Tensor | None = None,
     with_entropy: bool = False,
-    row_max: torch.Tensor | None = None,
+    ops: Kernels = Traced(),
+) -> LocalStats:
+    """This shard's :class:`LocalStats` of ``logits`` ``[B, S, V_local]``, with the
+    ``[x_target × K, owned × K]`` part of ``target`` ``[B, S, K]`` global vocabulary ids
+    (none without). Eager, in place in ``ops.workspace`` (and ``ops.spare`` with entropy)
+    when given."""
+    return with_rows(
+        tile_stats(logits, temperature=temperature, with_entropy=with_entropy, ops=ops),
+        None if target is None else target_stats(logits, target, vocab_start),
+    )
+
+
+def with_rows(per_tile: torch.Tensor, targets: torch.Tensor | None) -> LocalStats:
+    """:class:`LocalStats` of a shard's tiles ``[B, S, T, P]`` and its
+    :func:`target_stats` (``None`` without targets)."""
+    rows = [per_tile[..., 0].amax(-1, keepdim=True)]
+    return LocalStats(torch.cat(rows if targets is None else [*rows, targets], dim=-1), per_tile)
+
+
+def tile_stats(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor | None,
+    with_entropy: bool,
     ops: Kernels = Traced(),
 ) -> torch.Tensor:
-    """This shard's statistics, fp32 ``[B, S, F]`` (layout above; the top-k part is
-    :func:`compiled_logprob._math.topk.topk_stats`').
-
-    ``logits`` ``[B, S, V_local]``, ``target`` ``[B, S, K]`` global vocabulary ids.
-    ``row_max`` ``[B, S, 1]``: the logits' max per row when the caller has it already (the
-    top-k's block maxima give it). Traced on CUDA, the pass takes the form that Inductor's
-    online softmax matches (:func:`online_softmax_stats`).
-    """
-    if not isinstance(ops, Eager) and row_max is None and uses_online_softmax(logits):
-        stats = online_softmax_stats(logits, temperature, with_entropy)
-    else:
-        stats = shifted_stats(
-            logits, temperature=temperature, with_entropy=with_entropy, row_max=row_max, ops=ops
-        )
-    if target is not None:
-        stats.append(target_stats(logits, target, vocab_start))
-    return torch.cat(stats, dim=-1)
+    """The tiles' part of :class:`LocalStats`, ``[B, S, T, P]``, of ``logits``
+    ``[B, S, V_local]`` cut by :func:`tiles.split`."""
+    parts = tiles.split(logits)
+    return torch.cat(
+        [
+            torch.cat(
+                shifted_stats(
+                    part, temperature=temperature, with_entropy=with_entropy, ops=part_ops
+                ),
+                dim=-1,
+            )
+            for part, part_ops in zip(parts, _tile_ops(ops, len(parts)), strict=True)
+        ],
+        dim=-2,
+    )
 
 
-def uses_online_softmax(logits: torch.Tensor) -> bool:
-    """Whether Inductor's online softmax (Triton's only) can take the statistics' pass."""
-    return logits.device.type == "cuda"
+def _tile_ops(ops: Kernels, parts: int) -> list[Kernels]:
+    """``ops`` for each of the ``parts`` of :func:`tiles.split`: eager, with the same views
+    of its block buffers."""
+    if not isinstance(ops, Eager) or ops.workspace is None:
+        return [ops] * parts
+    spares = [None] * parts if ops.spare is None else tiles.split(ops.spare)
+    return [Eager(w, s) for w, s in zip(tiles.split(ops.workspace), spares, strict=True)]
 
 
 def shifted_stats(
@@ -66,52 +98,28 @@ def shifted_stats(
     *,
     temperature: torch.Tensor | None,
     with_entropy: bool,
-    row_max: torch.Tensor | None = None,
     ops: Kernels = Traced(),
 ) -> list[torch.Tensor]:
-    """``[x_max, Σ exp(u)(, Σ u · exp(u))]`` as ``[B, S, 1]`` parts, ``u = (x − x_max) / T``,
-    shifted by a finite max and exponentiated in ``ops``' units: the form of the eager
-    kernels and of Inductor's CPU code. Eager, in place in ``ops.workspace`` (and
-    ``ops.spare`` with entropy) when given."""
+    """``[x_max, Σ exp(u)(, Σ u · exp(u))]`` per tile, ``[B, S, T, 1]`` parts of tiles
+    ``logits`` ``[B, S, T, W]``, ``u = (x − x_max) / T``, shifted by a finite max and
+    exponentiated in ``ops``' units; ``Σ u · exp(u)`` in nats. Eager, in place in
+    ``ops.workspace`` (and ``ops.spare`` with entropy) when given, in the tiles' shape."""
     workspace = ops.workspace
     x = ops.fp32(logits, workspace)
     if x is not logits and x.dtype != logits.dtype:
         workspace = x  # a fresh fp32 copy: shift it in place
-    x_max = (ops.row_max(x) if row_max is None else row_max).float()
+    x_max = ops.row_max(x, tiles.TILE_SLICES).float()
     (scale,) = ops.per_row(exponent_scale(temperature, ops))
+    if isinstance(scale, torch.Tensor):
+        scale = scale.unsqueeze(-1)  # [B, S, 1, 1]: one factor for all of a row's tiles
     exponents = ops.scale(ops.minus(x, finite_or_zero(x_max), workspace), scale)
     if not with_entropy:
-        return [x_max, ops.row_sum(ops.exp(exponents))]
+        return [x_max, ops.row_sum(ops.exp(exponents), tiles.TILE_SLICES)]
     exps = ops.exp_into(exponents, ops.spare)
-    total = ops.row_sum(exps, PAIR_SLICES)
+    total = ops.row_sum(exps, tiles.TILE_SLICES)
     # e^c · c is NaN where c = -inf (vocabulary padding), for a term that is 0.
-    weighted = ops.xexp_sum(exponents, exps)
+    weighted = ops.xexp_sum(exponents, exps, tiles.TILE_SLICES)
     return [x_max, total, weighted * ops.unit]
-
-
-def online_softmax_stats(
-    logits: torch.Tensor, temperature: torch.Tensor | None, with_entropy: bool
-) -> list[torch.Tensor]:
-    """:func:`shifted_stats`' parts written as ``amax``, ``z − max``, ``exp``, ``sum`` of
-    ``z = x / T``: the form Inductor's online softmax matches on CUDA, where Triton reads
-    each row once for both the max and the sum. The guards come after the sums: an all
-    ``-inf`` row sums to 0 and a ``+inf`` max to ``inf``, as :func:`finite_or_zero` makes the
-    shifted form do."""
-    x = logits.float()
-    z = x if temperature is None else x * (1.0 / temperature.unsqueeze(-1))
-    z_max = z.amax(-1, keepdim=True)
-    centred = z - z_max
-    exps = centred.exp()
-    total = exps.sum(-1, keepdim=True)
-    empty = z_max == -INF
-    total = torch.where(empty, 0.0, torch.where(z_max == INF, INF, total))
-    # A positive temperature is monotone: the max of z is the max of x, scaled.
-    stats = [z_max if temperature is None else x.amax(-1, keepdim=True), total]
-    if with_entropy:
-        # exp(u) · u is NaN where u = -inf (vocabulary padding), for a term that is 0.
-        weighted = (centred.clamp(min=EXPONENT_FLOOR) * exps).sum(-1, keepdim=True)
-        stats.append(torch.where(empty, 0.0, weighted))
-    return stats
 
 
 def target_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from compiled_logprob._math.merge import Stats
 # (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
 # while each chunk's matmul is still large enough to run at full speed.
 TILE_ELEMENTS = 1 << 24
+MIN_GEMM_ROWS = 16
 
 
 class Tile(NamedTuple):
@@ -88,8 +89,24 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> to
     ``out``), as the logits path computes its logits; the temperature and everything after
     it run in fp32 in ``_math``. One 2-D matmul: ``torch.matmul`` with ``out=`` takes a
     batched path with copies for a sliced ``hidden``."""
-    torch.mm(hidden.flatten(0, 1), weight.T, out=out.view(-1, weight.shape[0]))
+    _row_invariant_mm(hidden.flatten(0, 1), weight.T, out.view(-1, weight.shape[0]))
     return out
+
+
+def _row_invariant_mm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b`` (into ``out`` when given), each row the same bits whatever the number of rows of ``a``:
+    MKL multiplies fewer than :data:`MIN_GEMM_ROWS` rows with other kernels, whose sums run
+    in another order, so fewer rows are padded with zeros (docs/design.md, "Batch
+    invariance")."""
+    rows = a.shape[0]
+    if rows == 0 or rows >= MIN_GEMM_ROWS:
+        return torch.mm(a, b, out=out)
+    padded = a.new_zeros(MIN_GEMM_ROWS, a.shape[1])
+    padded[:rows] = a
+    product = torch.mm(padded, b)[:rows]
+    return product if out is None else out.copy_(product)
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats", mutates_args=())
@@ -107,26 +124,25 @@ def lm_head_stats(
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (target is None) == (topk > 0), "the top-k are the targets"
-    parts = []
+    rows, per_tile = [], []
     for tile in _tiles(hidden, weight, chunk_size, spare=with_entropy):
         logits = _logits(hidden[:, tile.rows], weight, tile.logits)
-        candidates, row_max = [], None
-        if topk:
-            # The block maxima that select the tile's top-k also give its row max.
-            top, row_max = _topk.topk_stats(logits, topk, vocab_start)
-            candidates = [top]
         local = stats.local_stats(
             logits,
             block_rows(target, tile.rows),
             vocab_start,
             temperature=block_rows(temperature, tile.rows),
             with_entropy=with_entropy,
-            row_max=row_max,
             ops=Eager(tile.workspace, tile.spare),
         )
-        parts.append(torch.cat([local, *candidates], dim=-1))
+        candidates = [_topk.topk_stats(logits, topk, vocab_start)[0]] if topk else []
+        rows.append(torch.cat([local.rows, *candidates], dim=-1))
+        per_tile.append(local.tiles)
     result = merge.exchange_stats(
-        torch.cat([torch.cat(parts, dim=1), *merge.agreed_columns(target, temperature)], dim=-1),
+        stats.LocalStats(
+            torch.cat([torch.cat(rows, dim=1), *merge.agreed_columns(target, temperature)], -1),
+            torch.cat(per_tile, dim=1),
+        ),
         target,
         group_name,
         ignore_index,
@@ -194,7 +210,8 @@ def lm_head_stats_backward(
         if grad.dtype != hidden.dtype:
             grad = tile.logits.copy_(grad)  # rounded once, into the tile: its logits are spent
         if needs_grad_hidden:
-            grad_hidden[:, rows] = grad @ weight
+            product = _row_invariant_mm(grad.flatten(0, 1), weight)
+            grad_hidden[:, rows] = product.unflatten(0, grad.shape[:2])
         if needs_grad_weight:
             _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1), product)
     if needs_grad_hidden:

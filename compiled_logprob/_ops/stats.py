@@ -6,8 +6,8 @@ the package comes from them).
   ignore_index, with_entropy, topk, chunk_size) -> Stats``: ``shift``, ``log_norm``, the
   targets' ``target_logit`` ``[B, S, K]``, the ``entropy`` (with ``with_entropy``) and, with
   ``topk`` > 0 (and no target), the global top ``topk`` as the targets, with their
-  ``topk_ids`` (``_math.merge.Stats``). One all-gather of ``[B, S, F]`` statistics per call
-  is all the communication.
+  ``topk_ids`` (``_math.merge.Stats``). One all-gather of ``[B, S, F]`` statistics and one
+  all-reduce of ``[B, S, 1|2]`` exact tile sums per call are all the communication.
 * ``vocab_parallel_stats_backward``: the gradient of the differentiable outputs, written
   straight into one gradient buffer of the logits' dtype (with a ``threshold``, of the
   filtered softmax: ``filtering``'s backward too). No collective.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from compiled_logprob._math import grad as _grad
-from compiled_logprob._math import merge, stats
+from compiled_logprob._math import merge, stats, tiles
 from compiled_logprob._math import topk as _topk
 from compiled_logprob._math.kernels import Eager, block_rows
 from compiled_logprob._math.merge import Stats
@@ -40,37 +40,25 @@ def vocab_parallel_stats(
     chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert not (topk and target is not None), "the top-k are the targets"
-    extra, row_max = [], None
+    extra = []
     if target is not None:
         # K entries per row: one gather for all rows, not a few small ops per block.
         extra = [stats.target_stats(logits, target, vocab_start)]
     elif topk:
-        # One selection for all rows (or per chunk); the block maxima give the row max and
-        # spare the blocks their max pass.
+        # One selection for all rows (or per chunk).
         step = chunk_size or max(logits.shape[1], 1)
-        parts = [
-            _topk.topk_stats(logits[:, start : start + step], topk, vocab_start)
-            for start in range(0, max(logits.shape[1], 1), step)
+        extra = [
+            torch.cat([
+                _topk.topk_stats(logits[:, start : start + step], topk, vocab_start)[0]
+                for start in range(0, max(logits.shape[1], 1), step)
+            ], dim=1)
         ]
-        extra = [torch.cat([candidates for candidates, _ in parts], dim=1)]
-        row_max = torch.cat([part_max for _, part_max in parts], dim=1)
-    local = torch.cat(
-        [
-            stats.local_stats(
-                logits[:, block.rows],
-                None,
-                vocab_start,
-                temperature=block_rows(temperature, block.rows),
-                with_entropy=with_entropy,
-                row_max=block_rows(row_max, block.rows),
-                ops=Eager(block.workspace, block.spare),
-            )
-            for block in seq_blocks(logits, chunk_size, spare=with_entropy)
-        ],
-        dim=1,
-    )
+    local = stats.with_rows(_eager_tiles(logits, temperature, with_entropy, chunk_size), None)
     result = merge.exchange_stats(
-        torch.cat([local, *extra, *merge.agreed_columns(target, temperature)], dim=-1),
+        stats.LocalStats(
+            torch.cat([local.rows, *extra, *merge.agreed_columns(target, temperature)], dim=-1),
+            local.tiles,
+        ),
         target,
         group_name,
         ignore_index,
@@ -79,6 +67,42 @@ def vocab_parallel_stats(
         topk=topk,
     )
     return (*result,)  # the schema's plain tuple, not the NamedTuple
+
+
+def _eager_tiles(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    with_entropy: bool,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """``stats.tile_stats`` of ``logits`` ``[B, S, V_local]``, eager: the whole tiles block by
+    block in the reused buffers; the narrower last tile (a small share of the logits) per
+    chunk, not per block, where a handful of small ops per block would cost more than it."""
+    whole = tiles.whole_width(logits.shape[-1])
+    parts = []
+    if whole:
+        head = logits[..., :whole]
+        parts.append(torch.cat([
+            stats.tile_stats(
+                head[:, block.rows],
+                temperature=block_rows(temperature, block.rows),
+                with_entropy=with_entropy,
+                ops=Eager(block.workspace, block.spare),
+            )
+            for block in seq_blocks(head, chunk_size, spare=with_entropy)
+        ], dim=1))
+    if whole < logits.shape[-1]:
+        step = chunk_size or max(logits.shape[1], 1)
+        parts.append(torch.cat([
+            stats.tile_stats(
+                logits[:, start : start + step, whole:],
+                temperature=block_rows(temperature, slice(start, start + step)),
+                with_entropy=with_entropy,
+                ops=Eager(),
+            )
+            for start in range(0, max(logits.shape[1], 1), step)
+        ], dim=1))
+    return torch.cat(parts, dim=-2)
 
 
 @vocab_parallel_stats.register_fake
@@ -91,21 +115,17 @@ def _decompose_stats(
     logits, target, temperature, *, vocab_start, group_name, ignore_index, with_entropy, topk,
     chunk_size,
 ):
-    candidates, row_max = None, None
-    if topk:
-        candidates, row_max = _topk.topk_stats(logits, topk, vocab_start)
     local = stats.local_stats(
-        logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy,
-        row_max=row_max,
+        logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy
     )
-    local = torch.cat(
-        [local, *([candidates] if topk else []), *merge.agreed_columns(target, temperature)],
-        dim=-1,
+    candidates = [_topk.topk_stats(logits, topk, vocab_start)[0]] if topk else []
+    rows = torch.cat(
+        [local.rows, *candidates, *merge.agreed_columns(target, temperature)], dim=-1
     )
     return tuple(
         merge.exchange_stats(
-            local, target, group_name, ignore_index, temperature=temperature,
-            with_entropy=with_entropy, topk=topk,
+            stats.LocalStats(rows, local.tiles), target, group_name, ignore_index,
+            temperature=temperature, with_entropy=with_entropy, topk=topk,
         )
     )
 
