@@ -3,8 +3,9 @@
 The functional API, by module: ``logits`` (token log-probs, logsumexp, entropy, top-k,
 log-softmax and cross-entropy of vocab-sharded logits), ``raw_logits`` (the logits
 themselves across shards), ``context_parallel`` and ``packed`` (next-token log-probs across
-CP ranks), ``dtensor``, and ``lm_head`` (from hidden states, no logits); ``check_ranks``
-turns on the cross-rank agreement check. NeMo-RL's names live in
+CP ranks), ``dtensor``, ``lm_head`` (from hidden states, no logits) and ``sampler`` (an
+inference engine's side: bitwise the trainer's log-probs); ``check_ranks`` turns on the
+cross-rank agreement check. NeMo-RL's names live in
 :mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
 """
 
@@ -33,6 +34,7 @@ from compiled_logprob.logits import (
     vocab_parallel_topk,
 )
 from compiled_logprob.packed import packed_context_parallel_logprobs
+from compiled_logprob.sampler import sampler_logprobs
 from compiled_logprob.raw_logits import (
     gather_vocab_parallel,
     vocab_parallel_logits_at,
@@ -52,6 +54,7 @@ __all__ = [
     "lm_head_token_logprobs",
     "lm_head_topk",
     "packed_context_parallel_logprobs",
+    "sampler_logprobs",
     "shard_for_context_parallel",
     "token_logprobs",
     "vocab_parallel_cross_entropy",

@@ -2,7 +2,8 @@
 # The checks and benchmarks for a lent GPU (H200), in one run of at most 9.5 minutes (570 s,
 # kills included, enforced below; on a fresh machine most of it is cold Triton compiles):
 #   the single-process tests on the device (tests/test_device.py: the CPU tests' oracle
-#   checks, eager and compiled, no synchronising call, an eager CUDA-graph capture),
+#   checks, eager and compiled, batch invariance with Triton's kernels, no synchronising
+#   call, an eager CUDA-graph capture),
 #   the time/memory table on CUDA (torch.cuda.max_memory_allocated, achieved bandwidth vs
 #   ~4.8 TB/s), a CUDA-graph capture of a compiled training step checked against eager,
 #   compile time, the extras' cost over the plain pass (entropy, top-k, ...: on this CPU
