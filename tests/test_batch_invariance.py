@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DTYPES, cp_layout, ref_shard, tp_group
+from helpers import DTYPES, check_sharded_property, cp_layout, ref_shard, tp_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -245,37 +245,81 @@ def _tile_bounds(vocab: int, ranks: int) -> list[int]:
     return [min(vocab, -(-tiles * r // ranks) * TILE_WIDTH) for r in range(ranks)] + [vocab]
 
 
-def _check_tp(api: str, tp: int, dtype: str, compiled: bool) -> None:
-    group = tp_group(tp)
-    rank = dist.get_rank(group)
-    forward = APIS[api]
+@dataclasses.dataclass
+class TPCase:
+    api: str
+    dtype: str
+    vocab: int
+    batch: int
+    seq: int
+    scale: float
+    padding: int
+    chunk: int | None
+    seed: int
+
+
+def check_tp_case(case: TPCase, group, compiled: bool = False) -> None:
+    """The case's logits sharded over ``group`` on tile boundaries: the single process's
+    bits, outputs and logits gradient (its shard's slice)."""
+    rank, size = dist.get_rank(group), group.size()
+    forward = APIS[case.api]
     if compiled:
         forward = torch.compile(forward, fullgraph=True, dynamic=False)
     # Filtering takes even shards only: 4096 ids split on tile boundaries.
-    vocab = 4 * TILE_WIDTH if api == "filtered" else VOCAB
-    logits, target, temperature = _inputs(4, 2, 5, vocab, DTYPES[dtype], 3.0, 0)
-    bounds = _tile_bounds(vocab, tp)
+    vocab = 4 * TILE_WIDTH if case.api == "filtered" else case.vocab
+    logits, target, temperature = _inputs(
+        case.seed, case.batch, case.seq, vocab, DTYPES[case.dtype], case.scale, case.padding
+    )
+    bounds = _tile_bounds(vocab, size)
     start, end = bounds[rank], bounds[rank + 1]
     sharded = _results(
-        forward, logits[..., start:end], target, temperature, vocab_start=start, group=group
+        forward, logits[..., start:end], target, temperature, vocab_start=start, group=group,
+        chunk_size=case.chunk,
     )
     reference = _results(forward, logits, target, temperature)
     for i, (got, want) in enumerate(zip(sharded, reference, strict=True)):
         if got.shape[-1:] != want.shape[-1:] and want.shape[-1] == vocab:
             want = want[..., start:end]  # a vocabulary-sharded output, or the gradient
-        assert_same_bits(got, want, f"TP {tp} rank {rank} {api} output {i}")
+        assert_same_bits(got, want, f"{case} TP {size} rank {rank} output {i}")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("api", ["entropy", "k_ids", "log_softmax", "topk", "logsumexp", "filtered"])
-def test_tp_shards_on_tile_boundaries_give_the_same_bits(gloo_pool, api, tp):
-    # Which of exactly tied logits the top-k reports may change with the sharding (its
-    # values never do): bf16 ties, fp32 has none here.
-    gloo_pool(tp).run(_check_tp, api, tp, "fp32" if api == "topk" else "bf16", False)
+@st.composite
+def _tp_cases(draw, world: int) -> tuple[TPCase, int]:
+    api = draw(st.sampled_from(sorted(APIS)))
+    case = TPCase(
+        api=api,
+        # Which of exactly tied logits the top-k reports may change with the sharding (its
+        # values never do): bf16 ties, fp32 has none here.
+        dtype="fp32" if api == "topk" else draw(st.sampled_from(sorted(DTYPES))),
+        vocab=draw(st.sampled_from([VOCAB, 4 * TILE_WIDTH, 4 * TILE_WIDTH + 300])),
+        batch=draw(st.integers(1, 2)),
+        seq=draw(st.integers(1, 5)),
+        scale=draw(st.sampled_from([1.0, 1000.0])),
+        padding=draw(st.sampled_from([0, 5])),
+        chunk=draw(st.sampled_from([None, 2])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return case, draw(st.sampled_from([tp for tp in (2, 4) if tp <= world]))
+
+
+def _check_tp_property(max_examples: int) -> None:
+    # A module-level task for the workers (Hypothesis' composite strategies do not pickle).
+    check_sharded_property(_tp_cases, check_tp_case, max_examples)
+
+
+def test_tp_shards_on_tile_boundaries_give_the_same_bits(gloo_pool):
+    """Hypothesis over APIs, dtypes, vocabularies, scales, padding, batches, chunking and the
+    TP degree (2 or 4, as subgroups of 4 ranks), run inside the workers."""
+    gloo_pool(4).run(_check_tp_property, 30)
+
+
+def _check_compiled_tp() -> None:
+    case = TPCase("entropy", "fp32", VOCAB, 2, 5, 3.0, 0, None, 4)
+    check_tp_case(case, tp_group(2), compiled=True)
 
 
 def test_compiled_tp_gives_the_compiled_single_process_bits(gloo_pool):
-    gloo_pool(2).run(_check_tp, "entropy", 2, "fp32", True)
+    gloo_pool(2).run(_check_compiled_tp)
 
 
 def _check_tp_cp(tp: int, cp: int, compiled: bool) -> None:

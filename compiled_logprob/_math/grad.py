@@ -91,11 +91,14 @@ def grad_logits(
         return add_target_terms_(grad, index, grad_target, all_ignored)
     # The exact gradient at each scattered position (index 0 stands in for ids this shard
     # does not own, and gets its own exact value): its softmax term plus the one-hot terms
-    # of every id that lands there (ignored ones add 0).
+    # of every id that lands there, in id order as a scatter-add adds them (ignored and
+    # unowned ones add -0.0, the identity of IEEE addition: a -0.0 gradient keeps its sign
+    # whichever shard holds the position).
     at_logits = logits.gather(-1, index)
     at_index = filtered_out(softmax_terms(at_logits.float(), grads, saved, ops), at_logits, saved.threshold, ops)
-    same = index.unsqueeze(-1) == index.unsqueeze(-2)  # [B, S, K, K]
-    at_index = at_index + torch.where(same, grad_target.unsqueeze(-2), 0.0).sum(-1)
+    for j in range(index.shape[-1]):
+        lands = index == index[..., j : j + 1]
+        at_index = at_index + torch.where(lands, grad_target[..., j : j + 1], -0.0)
     dense = ops.masked_fill(grad, all_ignored, 0.0).to(logits.dtype)
     exact = ops.masked_fill(at_index, all_ignored, 0.0).to(logits.dtype)
     return dense.scatter(-1, index, exact)
@@ -110,7 +113,7 @@ def target_terms(
     temperature: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The one-hot terms of :func:`grad_logits`: ``(index, grad_target, all_ignored)``, the
-    ids' local index ``[B, S, K]`` (0 where not owned), the gradient to add there (0 where
+    ids' local index ``[B, S, K]`` (0 where not owned), the gradient to add there (-0.0 where
     not owned or ignored) and the rows whose targets are all ignored ``[B, S, 1]`` (``None``
     without ``ignore_index`` or without targets, K = 0). Eager kernels form them once for all
     rows."""
@@ -120,7 +123,8 @@ def target_terms(
         owned = owned & (target != ignore_index)
         if target.shape[-1]:
             all_ignored = (target == ignore_index).all(-1, keepdim=True)
-    grad_target = torch.where(owned, grad_target_logit, 0.0)
+    # -0.0, not 0.0: adding it leaves every value's bits as they are, -0.0 included.
+    grad_target = torch.where(owned, grad_target_logit, -0.0)
     if temperature is not None:
         grad_target = grad_target * (1.0 / temperature.unsqueeze(-1))
     return index, grad_target, all_ignored
