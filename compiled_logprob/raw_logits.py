@@ -37,7 +37,7 @@ def vocab_parallel_topk_logits(
     _validation.check_logits(logits)
     opts = _validation.options(vocab_start=vocab_start, group=group)
     k = _validation.check_topk(k, opts.vocab_start, logits.shape[-1])
-    candidates, _ = _topk.topk_stats(logits.detach(), k, opts.vocab_start)
+    candidates = _topk.topk_stats(logits.detach(), k, opts.vocab_start)
     size, _ = _comm.size_rank(group)
     return _topk.merge_topk(_comm.gather_ranks(candidates, opts.group_name, size), k)
 

@@ -13,14 +13,12 @@ import torch
 TOPK_BLOCK = 16
 
 
-def topk_stats(
-    logits: torch.Tensor, k: int, vocab_start: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(candidates, row_max)``: this shard's top ``k`` as statistics, fp32 ``[B, S, 2k]``
-    ``[candidate x × k, candidate global id × k]``, and the row max ``[B, S, 1]`` that the
-    block maxima give on the way. Ids travel as fp32 beside the values: exact below 2**24."""
-    values, ids, row_max = local_topk(logits, k)
-    return torch.cat([values.float(), (ids + vocab_start).float()], dim=-1), row_max
+def topk_stats(logits: torch.Tensor, k: int, vocab_start: int) -> torch.Tensor:
+    """This shard's top ``k`` as statistics, fp32 ``[B, S, 2k]``
+    ``[candidate x × k, candidate global id × k]``. Ids travel as fp32 beside the values:
+    exact below 2**24."""
+    values, ids, _ = local_topk(logits, k)
+    return torch.cat([values.float(), (ids + vocab_start).float()], dim=-1)
 
 
 def local_topk(

@@ -135,7 +135,7 @@ def lm_head_stats(
             with_entropy=with_entropy,
             ops=Eager(tile.workspace, tile.spare),
         )
-        candidates = [_topk.topk_stats(logits, topk, vocab_start)[0]] if topk else []
+        candidates = [_topk.topk_stats(logits, topk, vocab_start)] if topk else []
         rows.append(torch.cat([local.rows, *candidates], dim=-1))
         per_tile.append(local.tiles)
     result = merge.exchange_stats(

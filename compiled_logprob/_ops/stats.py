@@ -49,7 +49,7 @@ def vocab_parallel_stats(
         step = chunk_size or max(logits.shape[1], 1)
         extra = [
             torch.cat([
-                _topk.topk_stats(logits[:, start : start + step], topk, vocab_start)[0]
+                _topk.topk_stats(logits[:, start : start + step], topk, vocab_start)
                 for start in range(0, max(logits.shape[1], 1), step)
             ], dim=1)
         ]
@@ -118,7 +118,7 @@ def _decompose_stats(
     local = stats.local_stats(
         logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy
     )
-    candidates = [_topk.topk_stats(logits, topk, vocab_start)[0]] if topk else []
+    candidates = [_topk.topk_stats(logits, topk, vocab_start)] if topk else []
     rows = torch.cat(
         [local.rows, *candidates, *merge.agreed_columns(target, temperature)], dim=-1
     )
