@@ -137,13 +137,15 @@ def exchange_stats(
     global top ``topk``.
 
     Two collectives: an all-gather of the per-row statistics ``local.rows`` ``[B, S, F]``
-    (ending with :func:`agreed_columns`), which gives the global max; then an all-reduce of
+    with the :func:`agreed_columns` of ``target`` and ``temperature`` appended, which gives
+    the global max; then an all-reduce of
     the tiles' sums rescaled to it, as exact fixed-point integers (``tiles``), so that the
     totals are the same bits whatever the sharding. The verdict flags rows whose
     non-ignored targets are not owned by exactly one rank, and rows where ranks disagree
     on them.
     """
-    gathered = _comm.gather_ranks(local.rows, group_name)
+    rows = torch.cat([local.rows, *agreed_columns(target, temperature)], dim=-1)
+    gathered = _comm.gather_ranks(rows, group_name)
     top = gathered[..., 0].amax(0)  # [B, S] the global max, NaN if any logit is
     shift = finite_or_zero(top)
     inverse_t = torch.ones_like(top) if temperature is None else 1.0 / temperature

@@ -139,10 +139,7 @@ def lm_head_stats(
         rows.append(torch.cat([local.rows, *candidates], dim=-1))
         per_tile.append(local.tiles)
     result = merge.exchange_stats(
-        stats.LocalStats(
-            torch.cat([torch.cat(rows, dim=1), *merge.agreed_columns(target, temperature)], -1),
-            torch.cat(per_tile, dim=1),
-        ),
+        stats.LocalStats(torch.cat(rows, dim=1), torch.cat(per_tile, dim=1)),
         target,
         group_name,
         ignore_index,

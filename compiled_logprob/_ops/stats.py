@@ -55,10 +55,7 @@ def vocab_parallel_stats(
         ]
     local = stats.with_rows(_eager_tiles(logits, temperature, with_entropy, chunk_size), None)
     result = merge.exchange_stats(
-        stats.LocalStats(
-            torch.cat([local.rows, *extra, *merge.agreed_columns(target, temperature)], dim=-1),
-            local.tiles,
-        ),
+        stats.LocalStats(torch.cat([local.rows, *extra], dim=-1), local.tiles),
         target,
         group_name,
         ignore_index,
@@ -119,9 +116,7 @@ def _decompose_stats(
         logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy
     )
     candidates = [_topk.topk_stats(logits, topk, vocab_start)] if topk else []
-    rows = torch.cat(
-        [local.rows, *candidates, *merge.agreed_columns(target, temperature)], dim=-1
-    )
+    rows = torch.cat([local.rows, *candidates], dim=-1)
     return tuple(
         merge.exchange_stats(
             stats.LocalStats(rows, local.tiles), target, group_name, ignore_index,
