@@ -210,13 +210,14 @@ def _normalisers(
     exact = torch.stack([tiles.fixed_point(torch.where(finite, s, 0.0)) for s in sums], -1)
     totals = tiles.from_fixed_point(_comm.all_reduce_sum(exact, group_name))
     total = totals[..., 0]
-    special = torch.where(top.isnan(), torch.nan, torch.inf)
+    # A +inf or NaN max leaves the totals undefined (their terms were zeroed above).
+    defined = top.isfinite() | (top == -torch.inf)
     log_total = exact_log(total)
-    log_norm = torch.where(top.isfinite() | (top == -torch.inf), log_total, special)
+    log_norm = torch.where(defined, log_total, torch.where(top.isnan(), torch.nan, torch.inf))
     if not with_entropy:
         return log_norm.float(), torch.zeros_like(log_norm, dtype=torch.float32)
     entropy = torch.where(total == 0, 0.0, log_total - totals[..., 1] / total)
-    entropy = torch.where(top.isfinite() | (top == -torch.inf), entropy, torch.nan)
+    entropy = torch.where(defined, entropy, torch.nan)
     return log_norm.float(), entropy.float()
 
 

@@ -40,6 +40,7 @@ from compiled_logprob._math.merge import Stats
 # (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
 # while each chunk's matmul is still large enough to run at full speed.
 TILE_ELEMENTS = 1 << 24
+# Rows below which MKL's matmul takes kernels that sum in another order (_row_invariant_mm).
 MIN_GEMM_ROWS = 16
 
 
@@ -96,10 +97,10 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> to
 def _row_invariant_mm(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``a @ b`` (into ``out`` when given), each row the same bits whatever the number of rows of ``a``:
-    MKL multiplies fewer than :data:`MIN_GEMM_ROWS` rows with other kernels, whose sums run
-    in another order, so fewer rows are padded with zeros (docs/design.md, "Batch
-    invariance")."""
+    """``a @ b`` (into ``out`` when given), each row the same bits whatever the number of
+    rows of ``a``: MKL multiplies fewer than :data:`MIN_GEMM_ROWS` rows with other kernels,
+    whose sums run in another order, so fewer rows are padded with zeros (docs/design.md,
+    "Batch invariance")."""
     rows = a.shape[0]
     if rows == 0 or rows >= MIN_GEMM_ROWS:
         return torch.mm(a, b, out=out)
