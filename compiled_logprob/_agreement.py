@@ -38,8 +38,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Arguments whose every dimension must agree, and those whose leading ones must (the last is
 # a rank's vocabulary slice, which may differ); options that shape a call's collectives.
 _IDS = ("target", "input_ids", "ids", "cu_seqlens_padded", "seq_index")
-_SLICED = ("logits", "target_logits", "hidden", "tensor")
-_OPTIONS = ("k", "return_entropy", "next_token", "max_seqlen", "top_k", "top_p", "dim", "ignore_index")
+_SLICED = ("logits", "target_logits", "hidden", "teacher_hidden", "tensor")
+_OPTIONS = (
+    "k", "return_entropy", "next_token", "max_seqlen", "top_k", "top_p", "dim", "ignore_index",
+    "sequence_parallel",
+)
 _GROUPS = ("group", "cp_group")
 
 
@@ -118,6 +121,8 @@ def _describe(arguments: dict[str, Any]) -> dict[str, Any]:
             record[name] = list(value.shape) if is_tensor else "float"
         elif name in _OPTIONS and (value is None or isinstance(value, (bool, int, float))):
             record[name] = value
+        elif name == "logits_dtype":  # the dtype of the tiles that the all-to-all trades
+            record[name] = str(value)
     filtering = record.get("top_k") is not None or record.get("top_p", 1.0) != 1.0
     if filtering:  # each chunk of a filtered call makes its own collectives
         record["chunk_size"] = arguments.get("chunk_size")

@@ -189,16 +189,39 @@ class Options(NamedTuple):
     ignore_index: int | None = None
 
 
+class Head(NamedTuple):
+    """The options of a hidden-state call that the logits path does not have, validated."""
+
+    sequence_parallel: bool  # the hidden states are this rank's S / TP positions
+    logits_dtype: torch.dtype  # of each logits tile: the inputs' dtype, or fp32
+
+
+def head_options(
+    hidden: torch.Tensor, sequence_parallel: object, logits_dtype: object
+) -> Head:
+    """The validated :class:`Head` options of a call on ``hidden``."""
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r:.80}")
+    if logits_dtype is None:
+        logits_dtype = hidden.dtype
+    if logits_dtype not in (hidden.dtype, torch.float32):
+        raise ValueError(
+            f"logits_dtype must be None (the inputs' dtype, {hidden.dtype}) or torch.float32 "
+            f"(an fp32 LM head's logits), got {logits_dtype!r}"
+        )
+    return Head(sequence_parallel, cast(torch.dtype, logits_dtype))
+
+
 def filter_options(
     top_k: object,
     top_p: object,
-    logits: torch.Tensor,
+    width: int,
     options: Options,
     group: dist.ProcessGroup | None,
     return_entropy: bool,
 ) -> tuple[int, float] | None:
     """Validated ``(top_k, top_p)`` (``top_k`` capped at the full vocabulary), or ``None``
-    when they filter nothing."""
+    when they filter nothing; ``width``: this rank's vocabulary slice ``V_local``."""
     if top_k is not None:
         top_k = as_int(top_k, "top_k", minimum=1)
     if not is_real(top_p):
@@ -212,7 +235,7 @@ def filter_options(
             "return_entropy is not supported with top_k/top_p: call vocab_parallel_entropy for "
             "the unfiltered distribution's entropy"
         )
-    width, vocab_start = logits.shape[-1], options.vocab_start
+    vocab_start = options.vocab_start
     size, rank = _comm.size_rank(group)
     if vocab_start != rank * width:
         raise ValueError(

@@ -148,7 +148,7 @@ def logits_local_fn(
     opts = _validation.options(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
-    filtering = _validation.filter_options(top_k, top_p, logits, opts, group, return_entropy)
+    filtering = _validation.filter_options(top_k, top_p, logits.shape[-1], opts, group, return_entropy)
 
     def local_fn(target, *, temperature, return_entropy):
         return _logits._token_logprobs(

@@ -9,6 +9,10 @@ tensor exists in forward or backward; temporaries are ``O(B · chunk · V_local)
 :mod:`compiled_logprob.lm_head_context_parallel` does the same for context-parallel (and
 packed) hidden states.
 
+Every entry point takes the options that only hidden states have: ``sequence_parallel``
+(Megatron's sequence-parallel hidden states, gathered over the TP group inside) and
+``logits_dtype`` (an fp32 LM head's logits from bf16/fp16 operands).
+
 Shape legend: ``B`` batch, ``S`` sequence (this rank's part of it), ``H`` hidden size,
 ``V`` the full vocabulary, ``V_local`` this rank's vocabulary slice
 ``[vocab_start, vocab_start + V_local)``.
@@ -21,52 +25,73 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _agreement, _validation, context_parallel
+from compiled_logprob import _agreement, _comm, _validation, context_parallel
 from compiled_logprob import logits as _logits
 from compiled_logprob._math import merge
 from compiled_logprob._ops.lm_head import lm_head_stats_of
-from compiled_logprob._validation import Options
+from compiled_logprob._ops.lm_head_filtered import lm_head_filtered_stats_of
+from compiled_logprob._validation import Head, Options, head_options
 
 __all__ = ["lm_head_token_logprobs", "lm_head_topk"]
 
 
-def _validate_hidden(hidden, weight) -> None:
-    for name, tensor in (("hidden", hidden), ("weight", weight)):
+def check_hidden(hidden, weight, name: str = "hidden", weight_name: str = "weight") -> None:
+    """``hidden`` ``[..., S, H]`` and this rank's LM-head slice ``weight`` ``[V_local, H]``."""
+    for label, tensor in ((name, hidden), (weight_name, weight)):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
     if not hidden.is_floating_point():
         raise TypeError(
-            f"hidden must be a floating-point tensor, got dtype {hidden.dtype}; pass the "
+            f"{name} must be a floating-point tensor, got dtype {hidden.dtype}; pass the "
             "model's final hidden states"
         )
     if hidden.dim() < 2:
-        raise ValueError(f"hidden must have shape [..., S, H], got shape {tuple(hidden.shape)}")
+        raise ValueError(f"{name} must have shape [..., S, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"weight must be this rank's LM-head slice [V_local, H] with H = {hidden.shape[-1]} "
-            f"(hidden {tuple(hidden.shape)}), got shape {tuple(weight.shape)}"
+            f"{weight_name} must be this rank's LM-head slice [V_local, H] with H = "
+            f"{hidden.shape[-1]} ({name} {tuple(hidden.shape)}), got shape {tuple(weight.shape)}"
         )
     if weight.shape[0] == 0:
         raise ValueError(
-            f"this rank's vocabulary shard is empty (weight shape {tuple(weight.shape)}): shard a "
-            "vocabulary over at most V ranks"
+            f"this rank's vocabulary shard is empty ({weight_name} shape {tuple(weight.shape)}): "
+            "shard a vocabulary over at most V ranks"
         )
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise TypeError(
-            f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, "
+            f"{weight_name} ({weight.dtype}, {weight.device}) and {name} ({hidden.dtype}, "
             f"{hidden.device}) must share dtype and device; cast one to the other"
         )
 
 
-def _check_target(hidden: torch.Tensor, target: torch.Tensor, ignore_index: object) -> None:
+def positions(hidden: torch.Tensor, group: dist.ProcessGroup | None, head: Head) -> torch.Size:
+    """The leading shape ``[..., S]`` of the whole sequence's hidden states: ``hidden``'s, or
+    with ``sequence_parallel`` its ``S / TP`` positions times the size of ``group``."""
+    size = _comm.size_rank(group)[0]
+    if not head.sequence_parallel or size == 1:
+        return hidden.shape[:-1]
+    return torch.Size([*hidden.shape[:-2], hidden.shape[-2] * size])
+
+
+def whole_sequence(hidden: torch.Tensor, options: Options, head: Head) -> torch.Tensor:
+    """The whole sequence's hidden states ``[..., S, H]``: with ``sequence_parallel``, every
+    TP rank's ``[..., S / TP, H]`` gathered in rank order (one all-gather; its backward
+    reduce-scatters the gradient, which then sums every rank's vocabulary slice's part)."""
+    if not head.sequence_parallel or options.group_name is None:
+        return hidden
+    return _comm.all_gather(hidden.movedim(-2, 0), options.group_name).movedim(0, -2)
+
+
+def _check_target(
+    leading: torch.Size, device: torch.device, target: torch.Tensor, ignore_index: object
+) -> None:
     _validation.check_token_ids(target, "target")
-    positions = hidden.shape[:-1]
-    k_ids = target.dim() == hidden.dim() and target.shape[:-1] == positions
-    if not (target.shape == positions or k_ids) or target.device != hidden.device:
+    k_ids = target.dim() == len(leading) + 1 and target.shape[:-1] == leading
+    if not (target.shape == leading or k_ids) or target.device != device:
         raise ValueError(
             f"target ({tuple(target.shape)} on {target.device}) must have the hidden states' "
-            f"leading shape {tuple(positions)}, or that + (K,) for K ids per position, and "
-            f"device {hidden.device}"
+            f"leading shape {tuple(leading)} (the whole sequence's, with sequence_parallel), or "
+            f"that + (K,) for K ids per position, and device {device}"
         )
     _validation.check_ignore_index(ignore_index, target)
 
@@ -83,6 +108,10 @@ def lm_head_token_logprobs(
     ignore_index: int | None = ...,
     temperature: float | torch.Tensor = ...,
     return_entropy: Literal[False] = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -98,6 +127,10 @@ def lm_head_token_logprobs(
     ignore_index: int | None = ...,
     temperature: float | torch.Tensor = ...,
     return_entropy: Literal[True],
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -113,6 +146,10 @@ def lm_head_token_logprobs(
     ignore_index: int | None = ...,
     temperature: float | torch.Tensor = ...,
     return_entropy: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -128,6 +165,10 @@ def lm_head_token_logprobs(
     ignore_index: int | None = None,
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    sequence_parallel: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token, computed from the hidden states and LM-head weight.
 
@@ -138,9 +179,10 @@ def lm_head_token_logprobs(
 
     Args:
         hidden: ``[..., S, H]``, any floating dtype, the same on every rank of ``group``
-            (the replicated input of the vocab-parallel LM head).
+            (the replicated input of the vocab-parallel LM head); with ``sequence_parallel``,
+            this rank's ``[..., S / TP, H]``.
         weight: ``[V_local, H]``, this rank's vocabulary slice of the LM-head weight, in
-            ``hidden``'s dtype. The matmul runs in that dtype; all later math in fp32.
+            ``hidden``'s dtype. The matmul runs in ``logits_dtype``; all later math in fp32.
         target: ``[..., S]`` global token ids (integer dtype), or ``[..., S, K]`` for the
             log-probs of ``K`` ids per position (distillation).
         vocab_start: first global vocabulary id of this rank's slice.
@@ -153,6 +195,17 @@ def lm_head_token_logprobs(
             that broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row), as in
             :func:`~compiled_logprob.token_logprobs`.
         return_entropy: also return the entropy of the full-vocabulary softmax per position.
+        top_k, top_p: score under a sampler's filtered distribution, as in
+            :func:`~compiled_logprob.token_logprobs` (an even split in rank order, no
+            ``return_entropy``); each chunk's logits tile is filtered on its own, one
+            all-to-all of the tile and one all-gather of statistics per chunk.
+        sequence_parallel: ``hidden`` is this rank's contiguous ``1 / TP`` of the sequence
+            (Megatron's sequence parallelism, batch-first); it is all-gathered over
+            ``group`` inside, and the gradient reduce-scattered back to ``[..., S / TP, H]``.
+            ``target`` and the results cover the whole sequence on every rank.
+        logits_dtype: ``None`` (the inputs' dtype) or ``torch.float32``: each tile's logits
+            accumulated and kept in fp32 from bf16/fp16 ``hidden`` and ``weight``, as an fp32
+            LM head computes them (an inference engine's); so are the backward's matmuls.
 
     Returns:
         fp32 log-probs of ``target``'s shape, or ``(logprobs, entropy)`` with
@@ -164,12 +217,19 @@ def lm_head_token_logprobs(
     A target that is not in ``[0, V)`` (and not ``ignore_index``) raises an error, detected on
     the device without a host sync (``torch._assert_async``).
     """
-    _validate_hidden(hidden, weight)
-    _check_target(hidden, target, ignore_index)
+    check_hidden(hidden, weight)
     opts = _validation.options(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
-    return _logits.finish(_lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy))
+    head = head_options(hidden, sequence_parallel, logits_dtype)
+    _check_target(positions(hidden, group, head), hidden.device, target, ignore_index)
+    filtering = _validation.filter_options(
+        top_k, top_p, weight.shape[0], opts, group, return_entropy
+    )
+    hidden = whole_sequence(hidden, opts, head)
+    return _logits.finish(
+        _lm_head_logprobs(hidden, weight, target, opts, head, temperature, return_entropy, filtering)
+    )
 
 
 def _lm_head_logprobs(
@@ -177,20 +237,30 @@ def _lm_head_logprobs(
     weight: torch.Tensor,
     target: torch.Tensor,
     options: Options,
+    head: Head,
     temperature: float | torch.Tensor,
     return_entropy: bool,
+    filtering: tuple[int, float] | None,
 ) -> _logits.Scored:
-    """:func:`lm_head_token_logprobs` of validated arguments, its verdict not yet checked."""
+    """:func:`lm_head_token_logprobs` of validated arguments and the whole sequence's
+    ``hidden``, its verdict not yet checked."""
     per_position = target.dim() == hidden.dim() - 1
-    ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
+    ids = _validation.as_batch(target.unsqueeze(-1) if per_position else target, 2)
+    rows = _validation.temperature_rows(
+        temperature, hidden.shape[:-1], hidden.device, "hidden states"
+    )
+    batched = _validation.as_batch(hidden, 2)
+    if filtering is not None:
+        top_k, top_p = filtering
+        filtered = lm_head_filtered_stats_of(
+            batched, weight, ids, rows, **options._asdict(), **head._asdict(), top_k=top_k,
+            top_p=top_p,
+        )
+        logprobs = _logits.filtered_logprobs(filtered, ids, options.ignore_index)
+        return _logits.Scored(logprobs.view(target.shape), None, filtered.verdict.view(hidden.shape[:-1]))
     stats = lm_head_stats_of(
-        _validation.as_batch(hidden, 2),
-        weight,
-        _validation.as_batch(ids, 2),
-        _validation.temperature_rows(temperature, hidden.shape[:-1], hidden.device, "hidden states"),
-        **options._asdict(),
-        with_entropy=return_entropy,
-        topk=0,
+        batched, weight, ids, rows, **options._asdict(), **head._asdict(),
+        with_entropy=return_entropy, topk=0,
     )
     return _logits.logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
 
@@ -205,6 +275,8 @@ def lm_head_topk(
     group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     temperature: float | torch.Tensor = 1.0,
+    sequence_parallel: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most likely tokens and their log-probs, from the hidden states and LM-head weight.
 
@@ -213,49 +285,60 @@ def lm_head_topk(
     materialising the logits (a distillation teacher's top-k over a large vocabulary).
 
     Args:
-        hidden, weight, vocab_start, group, chunk_size, temperature: as in
-            :func:`lm_head_token_logprobs`.
+        hidden, weight, vocab_start, group, chunk_size, temperature, sequence_parallel,
+            logits_dtype: as in :func:`lm_head_token_logprobs`.
         k: how many; at most ``V_local`` on every rank (with uneven shards, the smallest).
 
     Returns:
-        ``(logprobs, ids)``, both ``[..., S, k]``: fp32 log-probs, differentiable with respect
-        to ``hidden`` and ``weight`` (the backward as in :func:`lm_head_token_logprobs`), and
-        int64 global vocabulary ids, sorted by decreasing probability. Each chunk's top ``k``
-        comes from its logits tile in the statistics pass (block maxima, as in
-        :func:`~compiled_logprob.vocab_parallel_topk`), and the one all-gather of statistics
-        carries every rank's.
+        ``(logprobs, ids)``, both ``[..., S, k]`` (the whole sequence's): fp32 log-probs,
+        differentiable with respect to ``hidden`` and ``weight`` (the backward as in
+        :func:`lm_head_token_logprobs`), and int64 global vocabulary ids, sorted by
+        decreasing probability. Each chunk's top ``k`` comes from its logits tile in the
+        statistics pass (block maxima, as in :func:`~compiled_logprob.vocab_parallel_topk`),
+        and the one all-gather of statistics carries every rank's.
     """
-    _validate_hidden(hidden, weight)
+    check_hidden(hidden, weight)
     opts = _validation.options(vocab_start=vocab_start, group=group, chunk_size=chunk_size)
+    head = head_options(hidden, sequence_parallel, logits_dtype)
     k = _validation.check_topk(k, opts.vocab_start, weight.shape[0])
-    positions = hidden.shape[:-1]
+    hidden = whole_sequence(hidden, opts, head)
+    leading = hidden.shape[:-1]
     stats = lm_head_stats_of(
         _validation.as_batch(hidden, 2),
         weight,
         None,
-        _validation.temperature_rows(temperature, positions, hidden.device, "hidden states"),
+        _validation.temperature_rows(temperature, leading, hidden.device, "hidden states"),
         **opts._asdict(),
+        **head._asdict(),
         with_entropy=False,
         topk=k,
     )
     merge.assert_verdict(stats.verdict)
     logprobs = stats.target_logit - stats.log_norm.unsqueeze(-1)
-    return logprobs.view(*positions, k), stats.topk_ids.view(*positions, k)
+    return logprobs.view(*leading, k), stats.topk_ids.view(*leading, k)
 
 
 def hidden_local_fn(
-    hidden, weight, input_ids, *, vocab_start, group, chunk_size, ignore_index
+    hidden, weight, input_ids, *, vocab_start, group, chunk_size, ignore_index, top_k, top_p,
+    return_entropy, sequence_parallel, logits_dtype,
 ):
-    """The local log-probs of validated hidden states: ``fn(target, *, temperature,
-    return_entropy)``, the ``local_fn`` of the context-parallel entry points."""
-    _validate_hidden(hidden, weight)
-    context_parallel.check_ids(hidden, input_ids, "hidden states")
-    _validation.check_ignore_index(ignore_index, input_ids)
+    """``(local_fn, hidden)``: the local log-probs of validated hidden states,
+    ``local_fn(target, *, temperature, return_entropy)``, the ``local_fn`` of the
+    context-parallel entry points, and this CP rank's whole hidden states (gathered over TP
+    with ``sequence_parallel``)."""
+    check_hidden(hidden, weight)
     opts = _validation.options(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
+    head = head_options(hidden, sequence_parallel, logits_dtype)
+    context_parallel.check_ids(hidden, input_ids, "hidden states")
+    _validation.check_ignore_index(ignore_index, input_ids)
+    filtering = _validation.filter_options(top_k, top_p, weight.shape[0], opts, group, return_entropy)
+    hidden = whole_sequence(hidden, opts, head)
 
     def local_fn(target, *, temperature, return_entropy):
-        return _lm_head_logprobs(hidden, weight, target, opts, temperature, return_entropy)
+        return _lm_head_logprobs(
+            hidden, weight, target, opts, head, temperature, return_entropy, filtering
+        )
 
-    return local_fn
+    return local_fn, hidden

@@ -35,6 +35,10 @@ def lm_head_context_parallel_logprobs(
     temperature: float | torch.Tensor = ...,
     return_entropy: Literal[False] = ...,
     next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -53,6 +57,10 @@ def lm_head_context_parallel_logprobs(
     temperature: float | torch.Tensor = ...,
     return_entropy: Literal[True],
     next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -71,6 +79,10 @@ def lm_head_context_parallel_logprobs(
     temperature: float | torch.Tensor = ...,
     return_entropy: bool = ...,
     next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -89,6 +101,10 @@ def lm_head_context_parallel_logprobs(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    sequence_parallel: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs from TP×CP-sharded hidden states, fp32 ``[..., S - 1]`` in natural order.
 
@@ -106,16 +122,19 @@ def lm_head_context_parallel_logprobs(
         vocab_start, group, cp_group, seq_index, ignore_index, temperature, return_entropy,
             next_token: as in :func:`~compiled_logprob.context_parallel_logprobs` (a tensor
             ``temperature`` broadcasts to the output).
-        chunk_size: as in :func:`lm_head_token_logprobs`.
+        top_k, top_p: as in :func:`~compiled_logprob.context_parallel_logprobs`.
+        chunk_size, sequence_parallel, logits_dtype: as in :func:`lm_head_token_logprobs`
+            (with ``sequence_parallel``, ``hidden`` is this rank's ``[..., L / TP, H]``).
 
     Backward: the hidden states' gradient is all-reduced over ``group`` (as in
     :func:`lm_head_token_logprobs`) and, like the logits', is the sum over CP ranks of the
     upstream gradients at this rank's positions; ``weight`` receives this rank's positions'
     contribution only.
     """
-    local_fn = lm_head.hidden_local_fn(
+    local_fn, hidden = lm_head.hidden_local_fn(
         hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
-        ignore_index=ignore_index,
+        ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
+        sequence_parallel=sequence_parallel, logits_dtype=logits_dtype,
     )
     return context_parallel.cp_logprobs(
         local_fn,
@@ -146,6 +165,10 @@ def lm_head_packed_context_parallel_logprobs(
     temperature: float | torch.Tensor = ...,
     return_entropy: Literal[False] = ...,
     next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -165,6 +188,10 @@ def lm_head_packed_context_parallel_logprobs(
     temperature: float | torch.Tensor = ...,
     return_entropy: Literal[True],
     next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -184,6 +211,10 @@ def lm_head_packed_context_parallel_logprobs(
     temperature: float | torch.Tensor = ...,
     return_entropy: bool = ...,
     next_token: bool = ...,
+    top_k: int | None = ...,
+    top_p: float = ...,
+    sequence_parallel: bool = ...,
+    logits_dtype: torch.dtype | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -203,6 +234,10 @@ def lm_head_packed_context_parallel_logprobs(
     temperature: float | torch.Tensor = 1.0,
     return_entropy: bool = False,
     next_token: bool = True,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    sequence_parallel: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of a packed (THD) row from TP×CP-sharded hidden states, fp32 ``[B, max_seqlen - 1]``.
 
@@ -218,13 +253,16 @@ def lm_head_packed_context_parallel_logprobs(
             temperature, return_entropy, next_token: as in
             :func:`~compiled_logprob.packed_context_parallel_logprobs` (a tensor
             ``temperature`` broadcasts to the output ``[B, max_seqlen - 1]``).
-        chunk_size: as in :func:`lm_head_token_logprobs`.
+        top_k, top_p: as in :func:`~compiled_logprob.packed_context_parallel_logprobs`.
+        chunk_size, sequence_parallel, logits_dtype: as in :func:`lm_head_token_logprobs`
+            (with ``sequence_parallel``, ``hidden`` is this rank's ``[1, T / C / TP, H]``).
 
     Gradients as in :func:`lm_head_context_parallel_logprobs`.
     """
-    local_fn = lm_head.hidden_local_fn(
+    local_fn, hidden = lm_head.hidden_local_fn(
         hidden, weight, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
-        ignore_index=ignore_index,
+        ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
+        sequence_parallel=sequence_parallel, logits_dtype=logits_dtype,
     )
     return packed.packed_cp_logprobs(
         local_fn,

@@ -24,7 +24,7 @@ from compiled_logprob import _agreement, _validation
 from compiled_logprob._math import merge
 from compiled_logprob._math.merge import Stats
 from compiled_logprob._ops.cross_entropy import cross_entropy_of
-from compiled_logprob._ops.filtering import filtered_stats_of
+from compiled_logprob._ops.filtering import FilteredStats, filtered_stats_of
 from compiled_logprob._ops.log_softmax import log_softmax_shard
 from compiled_logprob._ops.stats import stats_of
 from compiled_logprob._validation import Options
@@ -176,7 +176,7 @@ def token_logprobs(
     opts = _validation.options(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
-    filtering = _validation.filter_options(top_k, top_p, logits, opts, group, return_entropy)
+    filtering = _validation.filter_options(top_k, top_p, logits.shape[-1], opts, group, return_entropy)
     return finish(_token_logprobs(logits, target, opts, temperature, return_entropy, filtering))
 
 
@@ -280,15 +280,23 @@ def _filtered_logprobs(
         top_k=top_k,
         top_p=top_p,
     )
+    return filtered_logprobs(stats, batched_target, options.ignore_index), stats.verdict
+
+
+def filtered_logprobs(
+    stats: FilteredStats, target: torch.Tensor, ignore_index: int | None
+) -> torch.Tensor:
+    """The log-probs of ``target`` ``[B, S, K]`` under the filtered softmax of ``stats``:
+    ``-inf`` where filtered out, 0 where ignored."""
     # A filtered-out id's log-prob is the constant -inf: no gradient flows from it.
     logprobs = torch.where(
         stats.target_logit == -torch.inf,
         -torch.inf,
         stats.target_logit - stats.log_norm.unsqueeze(-1),
     )
-    if options.ignore_index is not None:
-        logprobs = torch.where(batched_target == options.ignore_index, 0.0, logprobs)
-    return logprobs, stats.verdict
+    if ignore_index is not None:
+        logprobs = torch.where(target == ignore_index, 0.0, logprobs)
+    return logprobs
 
 
 @_agreement.agreed

@@ -25,6 +25,7 @@ conftest fixtures, the package and third-party libraries, never one another.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -751,6 +752,8 @@ class LMHeadCase:
     entropy: bool = True
     scale: float = 1.0  # of the weight, so of the logits
     seed: int = 0
+    sequence_parallel: bool = False  # each rank passes its 1 / world of the sequence
+    fp32_logits: bool = False  # logits_dtype=torch.float32
 
 
 def lm_head_inputs(case: LMHeadCase):
@@ -789,10 +792,20 @@ def run_lm_head(
     """This rank's log-probs, entropy and gradients of ``Σ lp·up + Σ entropy·up'``."""
     hidden, weight, target, up_lp, up_ent = lm_head_inputs(case)
     lo, hi = vocab_bounds(case.vocab, world, rank)
-    hidden = hidden.requires_grad_()
+    hidden = hidden[..., sequence_rows(case, rank, world), :].clone().requires_grad_()
     weight = weight[lo:hi].clone().requires_grad_()
     out = api(hidden, weight, target, group=group, **lm_head_options(case, lo))
     return lm_head_backward(case, out, hidden, weight, up_lp, up_ent)
+
+
+def sequence_rows(case: LMHeadCase, rank: int, world: int) -> slice:
+    """The positions whose hidden states this rank passes: all, or with
+    ``sequence_parallel`` its contiguous ``1 / world`` of them."""
+    if not case.sequence_parallel:
+        return slice(None)
+    assert case.seq % world == 0, "sequence-parallel cases need S divisible by the ranks"
+    part = case.seq // world
+    return slice(rank * part, (rank + 1) * part)
 
 
 def lm_head_options(case: LMHeadCase, vocab_start: int) -> dict:
@@ -802,6 +815,8 @@ def lm_head_options(case: LMHeadCase, vocab_start: int) -> dict:
         ignore_index=IGNORE if case.ignore else None,
         temperature=lm_head_temperature(case),
         return_entropy=case.entropy,
+        **({"sequence_parallel": True} if case.sequence_parallel else {}),
+        **({"logits_dtype": torch.float32} if case.fp32_logits else {}),
     )
 
 
@@ -820,8 +835,11 @@ def lm_head_oracle(case: LMHeadCase) -> dict[str, torch.Tensor]:
 def lm_head_oracle_of(
     case: LMHeadCase, hidden, weight, target, up_lp, up_ent
 ) -> dict[str, torch.Tensor]:
-    """float64 outputs and gradients, plus the magnitudes the tolerances scale with."""
-    logits = (hidden @ weight.T).double().requires_grad_()
+    """float64 outputs and gradients, plus the magnitudes the tolerances scale with. The
+    logits are the inputs' product rounded to their dtype, or with ``fp32_logits`` the
+    float64 product of the (rounded) inputs."""
+    product = hidden.double() @ weight.double().T if case.fp32_logits else hidden @ weight.T
+    logits = product.double().requires_grad_()
     temperature = lm_head_temperature(case)
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.double().unsqueeze(-1)
@@ -874,13 +892,15 @@ def check_lm_head(
     dtype, each ≤ u·Σ|grad_z|·|operand| (``bound_*``)."""
     u = torch.finfo(LM_HEAD_DTYPES[case.dtype]).eps / 2
     fp32_math = 1e-5 * (1 + want["zmax"])
-    atol = fp32_math + 2 * u * want["zmax"]
+    # fp32 logits carry no rounding to the inputs' dtype.
+    atol = fp32_math + (0 if case.fp32_logits else 2 * u * want["zmax"])
     for name in ("lp", "ent"):
         assert got[name].dtype == torch.float32
         torch.testing.assert_close(got[name].double(), want[name], rtol=0, atol=atol, msg=name)
     lo, hi = vocab_bounds(case.vocab, world, rank)
+    rows = sequence_rows(case, rank, world)
     for name, want_grad, bound, terms in (
-        ("grad_h", want["grad_h"], want["bound_h"], want["terms_h"]),
+        ("grad_h", want["grad_h"][..., rows, :], want["bound_h"][..., rows, :], want["terms_h"][..., rows, :]),
         ("grad_w", want["grad_w"][lo:hi], want["bound_w"][lo:hi], want["terms_w"][lo:hi]),
     ):
         got_grad = got[name]
@@ -1065,6 +1085,7 @@ _LM_HEAD_OPCHECK = [
     (LMHeadCase(dtype="bf16", entropy=False, chunk=None), 5, False),
     (LMHeadCase(seq=6, chunk=4, ignore=True), 0, True),
     (LMHeadCase(seq=6, chunk=4), 3, True),
+    (LMHeadCase(dtype="bf16", fp32_logits=True), 0, False),
 ]
 
 
@@ -1076,7 +1097,13 @@ def _lm_head_op_args(case: LMHeadCase, requires_grad: bool):
         target = target.unsqueeze(-1)  # the op takes [B, S, K] ids
     hidden, weight = hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)
     temperature = lm_head_temperature(dataclasses.replace(case, temperature="positions"))
-    options = dict(vocab_start=0, ignore_index=IGNORE, chunk_size=case.chunk)
+    options = dict(
+        vocab_start=0,
+        ignore_index=IGNORE,
+        chunk_size=case.chunk,
+        sequence_parallel=False,
+        logits_dtype=torch.float32 if case.fp32_logits else hidden.dtype,
+    )
     return hidden, weight, target, temperature, options
 
 
@@ -1111,10 +1138,30 @@ def _lm_head_backward_cases(dtype: torch.dtype, group_name: str):
         grad_entropy = grads[1] if case.entropy else None
         grad_target_logit = torch.randn(target.shape)
         args = (grads[0], grad_target_logit, grad_entropy, hidden, weight, target, temperature)
-        args += (shift, log_total, entropy)
+        args += (shift, log_total, entropy, None)
         for needs in ((True, True), (True, False), (False, True)):
             flags = dict(zip(("needs_grad_hidden", "needs_grad_weight"), needs))
             yield args, {**options, **flags}
+
+
+def _lm_head_filtered_cases(dtype: torch.dtype, group_name: str):
+    """The filtered op, single process (its all-to-all needs a real group's ranks)."""
+    for case, topk, inputs, options in _lm_head_opcheck_inputs(dtype, group_name):
+        if topk or options["group_name"] is not None:
+            continue
+        yield inputs, dict(options, top_k=7, top_p=0.8)
+
+
+def _lm_head_filtered_backward_cases(dtype: torch.dtype, group_name: str):
+    for (hidden, weight, target, temperature), options in _lm_head_filtered_cases(dtype, group_name):
+        hidden, weight = hidden.detach(), weight.detach()
+        shift, log_norm, _, threshold, _ = custom_op("compiled_logprob::lm_head_filtered_stats")(
+            hidden, weight, target, temperature, **options
+        )
+        backward_options = {k: v for k, v in options.items() if k not in ("top_k", "top_p")}
+        args = (torch.randn(shift.shape), torch.randn(target.shape), None, hidden, weight, target)
+        args += (temperature, shift, log_norm, None, threshold)
+        yield args, {**backward_options, "needs_grad_hidden": True, "needs_grad_weight": True}
 
 
 def _pointwise_cases(dtype: torch.dtype, group_name: str):
@@ -1132,5 +1179,8 @@ OPCHECK_CASES = {
     "compiled_logprob::cross_entropy_stats": _cross_entropy_cases,
     "compiled_logprob::cross_entropy_backward": _cross_entropy_backward_cases,
     "compiled_logprob::lm_head_stats": _lm_head_cases,
-    "compiled_logprob::lm_head_stats_backward": _lm_head_backward_cases,
+    "compiled_logprob::lm_head_stats_backward": lambda dtype, group_name: itertools.chain(
+        _lm_head_backward_cases(dtype, group_name), _lm_head_filtered_backward_cases(dtype, group_name)
+    ),
+    "compiled_logprob::lm_head_filtered_stats": _lm_head_filtered_cases,
 }

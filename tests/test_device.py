@@ -28,6 +28,7 @@ from helpers import (
     NUMERICS_CHUNKABLE,
     ExtrasCase,
     FilterCase,
+    LMHeadCase,
     NumericsCase,
     case_id,
     check_extras_case,
@@ -140,7 +141,11 @@ def test_compiled(family, case):
     _check_on_device(*family, case, compiled=True)
 
 
-@pytest.mark.parametrize("case", [LM_HEAD_CASES[0], LM_HEAD_CASES[3]], ids=case_id)
+# The last: fp32 logits from bf16 operands, on CUDA one mm with out_dtype.
+LM_HEAD_DEVICE_CASES = [LM_HEAD_CASES[0], LM_HEAD_CASES[3], LMHeadCase(dtype="bf16", fp32_logits=True)]
+
+
+@pytest.mark.parametrize("case", LM_HEAD_DEVICE_CASES, ids=case_id)
 def test_lm_head(case):
     def api(hidden, weight, target, **options):
         on_device = _to(DEVICE, (hidden, weight, target))

@@ -8,6 +8,18 @@ hidden-state ops stay opaque to the compiler instead: their loop over logits til
 not unroll into the graph.
 """
 
-from compiled_logprob._ops import cross_entropy, filtering, lm_head, stats
+from compiled_logprob._ops import (
+    cross_entropy,
+    filtering,
+    lm_head,
+    lm_head_filtered,
+    stats,
+)
 
-__all__ = ["cross_entropy", "filtering", "lm_head", "stats"]
+__all__ = [
+    "cross_entropy",
+    "filtering",
+    "lm_head",
+    "lm_head_filtered",
+    "stats",
+]

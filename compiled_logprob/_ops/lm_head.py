@@ -2,16 +2,20 @@
 states, the logits never materialised.
 
 * ``lm_head_stats(hidden, weight, target, temperature, *, vocab_start, group_name,
-  ignore_index, chunk_size, with_entropy, topk) -> Stats``: per sequence chunk, the logits tile
-  ``z = hidden @ weight.T / temperature`` (``temperature`` fp32 ``[B, S]``, or ``None`` for
-  1), its per-row statistics and the logits of the targets ``[B, S, K]`` or, with ``topk``
+  ignore_index, chunk_size, with_entropy, topk, sequence_parallel, logits_dtype) -> Stats``:
+  per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature`` (the product
+  in ``logits_dtype``; ``temperature`` fp32 ``[B, S]``, or ``None`` for 1), its per-row
+  statistics and the logits of the targets ``[B, S, K]`` or, with ``topk``
   > 0 (and no target), of this shard's top ``topk``; one all-gather of the ``[B, S, F]``
   statistics of the whole call over the TP group. The outputs are the logits op's
   (``_math.merge.Stats``).
 * ``lm_head_stats_backward``: recomputes each tile, forms its gradient with
   ``_math.grad.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
   (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
-  because every rank's part covers only its vocabulary slice of the replicated hidden states.
+  because every rank's part covers only its vocabulary slice of the replicated hidden states
+  (with ``sequence_parallel`` it is not: the hidden states are a differentiable all-gather of
+  sequence shards, whose backward reduce-scatters the parts instead). With a ``threshold``
+  (``lm_head_filtered``), of the filtered softmax.
   Only the gradients that autograd asks for are formed (the other is an empty tensor): a
   frozen LM head costs no fp32 ``[V_local, H]`` buffer and no second matmul per chunk.
 
@@ -31,7 +35,7 @@ import torch
 
 from compiled_logprob import _comm
 from compiled_logprob._math import grad as _grad
-from compiled_logprob._math import merge, stats
+from compiled_logprob._math import matmul, merge, stats
 from compiled_logprob._math import topk as _topk
 from compiled_logprob._math.kernels import Eager, block_rows
 from compiled_logprob._math.merge import Stats
@@ -40,33 +44,37 @@ from compiled_logprob._math.merge import Stats
 # (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
 # while each chunk's matmul is still large enough to run at full speed.
 TILE_ELEMENTS = 1 << 24
-# Rows below which MKL's matmul takes kernels that sum in another order (_row_invariant_mm).
-MIN_GEMM_ROWS = 16
 
 
 class Tile(NamedTuple):
     """One chunk of positions, with its views of the buffers that every chunk reuses."""
 
     rows: slice
-    logits: torch.Tensor  # [B, c, V_local], the inputs' dtype
-    workspace: torch.Tensor  # [B, c, V_local] fp32
+    logits: torch.Tensor  # [B, c, V_local], logits_dtype
+    workspace: torch.Tensor | None  # [B, c, V_local] fp32
     spare: torch.Tensor | None  # [B, c, V_local] fp32, for a second temporary
 
 
-def _tiles(
-    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None, *, spare: bool
+def tiles(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_size: int | None,
+    *,
+    spare: bool,
+    logits_dtype: torch.dtype,
+    workspace: bool = True,
 ) -> list[Tile]:
     """The chunks of sequence positions, each with its ``[B, c, V_local]`` views of buffers
-    that every chunk reuses: the logits tile (the inputs' dtype), an fp32 workspace and,
-    when asked for (the entropy's second temporary), an fp32 ``spare``. Fresh tile-sized
+    that every chunk reuses: the logits tile (``logits_dtype``), an fp32 ``workspace`` and
+    an fp32 ``spare`` (the entropy's second temporary) when asked for. Fresh tile-sized
     temporaries would fault their pages in for every chunk."""
     batch, seq_len, _ = hidden.shape
     vocab = weight.shape[0]
     if chunk_size is None:
         chunk_size = max(1, TILE_ELEMENTS // max(1, batch * vocab))
     tile_elements = batch * min(chunk_size, max(seq_len, 1)) * vocab
-    logits = hidden.new_empty(tile_elements)
-    fp32 = hidden.new_empty((1 + spare) * tile_elements, dtype=torch.float32)
+    logits = hidden.new_empty(tile_elements, dtype=logits_dtype)
+    fp32 = hidden.new_empty((workspace + spare) * tile_elements, dtype=torch.float32)
 
     def view(buffer: torch.Tensor, positions: int, index: int = 0) -> torch.Tensor:
         start = index * tile_elements
@@ -79,35 +87,20 @@ def _tiles(
         chunks.append(Tile(
             slice(start, start + chunk_size),
             view(logits, n),
-            view(fp32, n),
-            view(fp32, n, 1) if spare else None,
+            view(fp32, n) if workspace else None,
+            view(fp32, n, int(workspace)) if spare else None,
         ))
     return chunks
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``[B, c, V_local]`` tile ``hidden @ weight.T`` in the inputs' dtype (written into
-    ``out``), as the logits path computes its logits; the temperature and everything after
-    it run in fp32 in ``_math``. One 2-D matmul: ``torch.matmul`` with ``out=`` takes a
-    batched path with copies for a sliced ``hidden``."""
-    _row_invariant_mm(hidden.flatten(0, 1), weight.T, out.view(-1, weight.shape[0]))
+def logits_tile(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``[B, c, V_local]`` tile ``hidden @ weight.T`` in ``out``'s dtype (written into
+    ``out``): the inputs' dtype, as the logits path computes its logits, or fp32 (an fp32
+    LM head's logits from bf16 operands); the temperature and everything after it run in
+    fp32 in ``_math``. One 2-D matmul: ``torch.matmul`` with ``out=`` takes a batched path
+    with copies for a sliced ``hidden``."""
+    matmul.mm(hidden.flatten(0, 1), weight.T, out.view(-1, weight.shape[0]))
     return out
-
-
-def _row_invariant_mm(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``a @ b`` (into ``out`` when given), each row the same bits whatever the number of
-    rows of ``a``: MKL multiplies fewer than :data:`MIN_GEMM_ROWS` rows with other kernels,
-    whose sums run in another order, so fewer rows are padded with zeros (docs/design.md,
-    "Batch invariance")."""
-    rows = a.shape[0]
-    if rows == 0 or rows >= MIN_GEMM_ROWS:
-        return torch.mm(a, b, out=out)
-    padded = a.new_zeros(MIN_GEMM_ROWS, a.shape[1])
-    padded[:rows] = a
-    product = torch.mm(padded, b)[:rows]
-    return product if out is None else out.copy_(product)
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_stats", mutates_args=())
@@ -123,11 +116,15 @@ def lm_head_stats(
     chunk_size: int | None,
     with_entropy: bool,
     topk: int,
+    sequence_parallel: bool,
+    logits_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (target is None) == (topk > 0), "the top-k are the targets"
+    weight = weight.to(logits_dtype)  # upcast once for every tile, when the logits are wider
     rows, per_tile = [], []
-    for tile in _tiles(hidden, weight, chunk_size, spare=with_entropy):
-        logits = _logits(hidden[:, tile.rows], weight, tile.logits)
+    chunks = tiles(hidden, weight, chunk_size, spare=with_entropy, logits_dtype=logits_dtype)
+    for tile in chunks:
+        logits = logits_tile(hidden[:, tile.rows], weight, tile.logits)
         local = stats.local_stats(
             logits,
             block_rows(target, tile.rows),
@@ -156,17 +153,6 @@ def _(hidden, weight, target, temperature, *, topk, **options):
     return tuple(merge.empty_stats(hidden, target, topk))
 
 
-def _add_matmul(
-    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, product: torch.Tensor | None
-) -> None:
-    """``out += a @ b``: in place when the dtypes allow (CPU has no mixed-dtype addmm), else
-    through ``product``, a buffer of ``a @ b``'s shape and dtype that every chunk reuses."""
-    if product is None:
-        out.addmm_(a, b)
-    else:
-        out += torch.mm(a, b, out=product)
-
-
 @torch.library.custom_op("compiled_logprob::lm_head_stats_backward", mutates_args=())
 def lm_head_stats_backward(
     grad_log_norm: torch.Tensor,
@@ -178,43 +164,51 @@ def lm_head_stats_backward(
     temperature: torch.Tensor | None,
     shift: torch.Tensor,
     log_norm: torch.Tensor,
-    entropy: torch.Tensor,
+    entropy: torch.Tensor | None,
+    threshold: torch.Tensor | None,
     *,
     vocab_start: int,
     group_name: str | None,
     ignore_index: int | None,
     chunk_size: int | None,
+    sequence_parallel: bool,
+    logits_dtype: torch.dtype,
     needs_grad_hidden: bool,
     needs_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
     grad_hidden = hidden.new_empty(hidden_shape)
     grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
-    mixed = needs_grad_weight and weight.dtype != torch.float32
-    product = weight.new_empty(weight.shape) if mixed else None
+    # The gradient is rounded to the logits' dtype; a product in it goes through a buffer.
+    mixed = needs_grad_weight and logits_dtype != torch.float32
+    product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
     grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy)
-    saved = _grad.RowStats(shift, log_norm, temperature, entropy)
-    for tile in _tiles(hidden, weight, chunk_size, spare=grad_entropy is not None):
+    saved = _grad.RowStats(shift, log_norm, temperature, entropy, threshold)
+    weight_dtype, weight = weight.dtype, weight.to(logits_dtype)
+    chunks = tiles(
+        hidden, weight, chunk_size, spare=grad_entropy is not None, logits_dtype=logits_dtype
+    )
+    for tile in chunks:
         rows = tile.rows
         grad = _grad.grad_logits(
             grads.block(rows),
             saved.block(rows),
-            _logits(hidden[:, rows], weight, tile.logits),
+            logits_tile(hidden[:, rows], weight, tile.logits),
             target[:, rows],
             vocab_start,
             ignore_index,
             ops=Eager(tile.workspace, tile.spare),
         )
-        if grad.dtype != hidden.dtype:
+        if grad.dtype != logits_dtype:
             grad = tile.logits.copy_(grad)  # rounded once, into the tile: its logits are spent
         if needs_grad_hidden:
-            product = _row_invariant_mm(grad.flatten(0, 1), weight)
-            grad_hidden[:, rows] = product.unflatten(0, grad.shape[:2])
+            grad_rows = matmul.mm(grad.flatten(0, 1), weight)
+            grad_hidden[:, rows] = grad_rows.unflatten(0, grad.shape[:2])
         if needs_grad_weight:
-            _add_matmul(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1), product)
-    if needs_grad_hidden:
+            matmul.add_mm(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1), product)
+    if needs_grad_hidden and not sequence_parallel:
         grad_hidden = _comm.all_reduce_sum(grad_hidden, group_name)
-    return grad_hidden, grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight.to(weight_dtype)
 
 
 def _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight):
@@ -243,11 +237,14 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(
         hidden, weight, target, temperature, result.shift, result.log_norm, result.entropy
     )
-    ctx.options = {
-        name: keyword_only_inputs[name]
-        for name in ("vocab_start", "group_name", "ignore_index", "chunk_size")
-    }
+    ctx.options = backward_options(keyword_only_inputs)
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
+
+
+def backward_options(keyword_only_inputs: dict) -> dict:
+    """The options of :func:`lm_head_stats_backward` among a forward op's."""
+    names = ("vocab_start", "group_name", "ignore_index", "chunk_size", "sequence_parallel", "logits_dtype")
+    return {name: keyword_only_inputs[name] for name in names}
 
 
 def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
@@ -264,6 +261,7 @@ def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
         shift,
         log_norm,
         entropy,
+        None,
         **ctx.options,
         needs_grad_hidden=needs_grad_hidden,
         needs_grad_weight=needs_grad_weight,
