@@ -3,7 +3,7 @@
 The functional API, by module: ``logits`` (token log-probs, logsumexp, entropy, top-k,
 log-softmax and cross-entropy of vocab-sharded logits), ``raw_logits`` (the logits
 themselves across shards), ``context_parallel`` and ``packed`` (next-token log-probs across
-CP ranks), ``dtensor``, ``lm_head`` (from hidden states, no logits) and ``sampler`` (an
+CP ranks), ``dtensor``, ``lm_head`` and ``lm_head_distillation`` (from hidden states, no logits) and ``sampler`` (an
 inference engine's side: bitwise the trainer's log-probs); ``check_ranks`` turns on the
 cross-rank agreement check. NeMo-RL's names live in
 :mod:`compiled_logprob.nemo_compat`. docs/ has the rest.
@@ -21,6 +21,7 @@ from compiled_logprob.context_parallel import (
 )
 from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
 from compiled_logprob.lm_head import lm_head_token_logprobs, lm_head_topk
+from compiled_logprob.lm_head_distillation import lm_head_cross_entropy
 from compiled_logprob.lm_head_context_parallel import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
@@ -50,6 +51,7 @@ __all__ = [
     "gather_context_parallel",
     "gather_vocab_parallel",
     "lm_head_context_parallel_logprobs",
+    "lm_head_cross_entropy",
     "lm_head_packed_context_parallel_logprobs",
     "lm_head_token_logprobs",
     "lm_head_topk",

@@ -7,7 +7,8 @@ reduces it to per-row statistics and drops it; backward recomputes each tile and
 accumulates the gradients of the hidden states and the weight. No ``[B, S, V_local]``
 tensor exists in forward or backward; temporaries are ``O(B · chunk · V_local)``.
 :mod:`compiled_logprob.lm_head_context_parallel` does the same for context-parallel (and
-packed) hidden states.
+packed) hidden states; :mod:`compiled_logprob.lm_head_distillation` the distillation
+cross-entropy of two models' hidden states.
 
 Every entry point takes the options that only hidden states have: ``sequence_parallel``
 (Megatron's sequence-parallel hidden states, gathered over the TP group inside) and

@@ -1164,6 +1164,39 @@ def _lm_head_filtered_backward_cases(dtype: torch.dtype, group_name: str):
         yield args, {**backward_options, "needs_grad_hidden": True, "needs_grad_weight": True}
 
 
+def _lm_head_cross_entropy_inputs(dtype: torch.dtype, group_name: str):
+    gen = torch.Generator().manual_seed(0)
+    for fp32_logits, grouped, chunk in ((False, False, 2), (True, False, None), (False, True, 3)):
+        hidden = torch.randn(2, 5, 8, generator=gen).to(dtype).requires_grad_()
+        weight = torch.randn(37, 8, generator=gen).to(dtype).requires_grad_()
+        teacher_hidden = torch.randn(2, 5, 12, generator=gen).to(dtype).requires_grad_()
+        teacher_weight = torch.randn(37, 12, generator=gen).to(dtype)
+        temperature = torch.rand(2, 5, generator=gen) + 0.5
+        logits_dtype = torch.float32 if fp32_logits else dtype
+        options = dict(
+            group_name=group_name if grouped else None,
+            chunk_size=chunk,
+            sequence_parallel=False,
+            logits_dtype=logits_dtype,
+            teacher_logits_dtype=logits_dtype,
+        )
+        yield (hidden, weight, teacher_hidden, teacher_weight, temperature), options
+
+
+def _lm_head_cross_entropy_cases(dtype: torch.dtype, group_name: str):
+    yield from _lm_head_cross_entropy_inputs(dtype, group_name)
+
+
+def _lm_head_cross_entropy_backward_cases(dtype: torch.dtype, group_name: str):
+    for inputs, options in _lm_head_cross_entropy_inputs(dtype, group_name):
+        inputs = tuple(t.detach() for t in inputs)
+        local = {**options, "group_name": None}
+        outputs = custom_op("compiled_logprob::lm_head_cross_entropy_stats")(*inputs, **local)
+        grad = torch.randn(outputs[0].shape)
+        for needs in ([True, True, False, False], [False, True, True, True], [True, False, True, False]):
+            yield (grad, *inputs, *outputs), {**options, "needs": needs}
+
+
 def _pointwise_cases(dtype: torch.dtype, group_name: str):
     gen = torch.Generator().manual_seed(0)
     rows = torch.rand(2, 5, 3, generator=gen).to(dtype) + 0.5
@@ -1183,4 +1216,6 @@ OPCHECK_CASES = {
         _lm_head_backward_cases(dtype, group_name), _lm_head_filtered_backward_cases(dtype, group_name)
     ),
     "compiled_logprob::lm_head_filtered_stats": _lm_head_filtered_cases,
+    "compiled_logprob::lm_head_cross_entropy_stats": _lm_head_cross_entropy_cases,
+    "compiled_logprob::lm_head_cross_entropy_backward": _lm_head_cross_entropy_backward_cases,
 }

@@ -12,6 +12,7 @@ from compiled_logprob._ops import (
     cross_entropy,
     filtering,
     lm_head,
+    lm_head_cross_entropy,
     lm_head_filtered,
     stats,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "cross_entropy",
     "filtering",
     "lm_head",
+    "lm_head_cross_entropy",
     "lm_head_filtered",
     "stats",
 ]

@@ -1,0 +1,202 @@
+"""``compiled_logprob::lm_head_cross_entropy_stats`` and its backward: the distillation
+cross-entropy of a teacher's softmax relative to a student's (``_math.cross_entropy``) from
+both models' hidden states and LM-head slices, neither's logits materialised.
+
+* ``lm_head_cross_entropy_stats(hidden, weight, teacher_hidden, teacher_weight, temperature,
+  *, group_name, chunk_size, sequence_parallel, logits_dtype, teacher_logits_dtype) ->
+  CrossEntropyStats``: per sequence chunk, both models' logits tiles (``_ops.lm_head``), their
+  ``[B, c, 5]`` statistics; one all-gather of ``[B, S, 5]`` for the call.
+* ``lm_head_cross_entropy_backward``: recomputes both tiles per chunk, forms the gradient of
+  either model's logits (``_math.cross_entropy.grad_cross_entropy``) and accumulates that
+  model's hidden-state and weight gradients; the hidden states' are then all-reduced over the
+  TP group (each rank's part covers its vocabulary slice), unless ``sequence_parallel``
+  (the all-gather's backward sums them). Only the gradients autograd asks for are formed.
+
+Opaque to the compiler, as the other hidden-state ops. Shape legend: ``B`` batch, ``S``
+sequence, ``H``/``H_t`` the student's/teacher's hidden size, ``V_local`` this rank's
+vocabulary slice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_logprob import _comm
+from compiled_logprob._math import cross_entropy as _ce
+from compiled_logprob._math import matmul
+from compiled_logprob._math.cross_entropy import CrossEntropyStats
+from compiled_logprob._math.kernels import Eager, block_rows
+from compiled_logprob._ops.lm_head import logits_tile, tiles
+
+
+@torch.library.custom_op("compiled_logprob::lm_head_cross_entropy_stats", mutates_args=())
+def lm_head_cross_entropy_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: torch.Tensor | None,
+    *,
+    group_name: str | None,
+    chunk_size: int | None,
+    sequence_parallel: bool,
+    logits_dtype: torch.dtype,
+    teacher_logits_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Each weight upcast once for every tile, when its logits are wider.
+    weight, teacher_weight = weight.to(logits_dtype), teacher_weight.to(teacher_logits_dtype)
+    student = tiles(hidden, weight, chunk_size, spare=True, logits_dtype=logits_dtype)
+    teacher = tiles(
+        teacher_hidden, teacher_weight, chunk_size, spare=False, workspace=False,
+        logits_dtype=teacher_logits_dtype,
+    )
+    local = [
+        _ce.cross_entropy_stats(
+            logits_tile(hidden[:, tile.rows], weight, tile.logits),
+            logits_tile(teacher_hidden[:, tile.rows], teacher_weight, teacher_tile.logits),
+            block_rows(temperature, tile.rows),
+            ops=Eager(tile.workspace, tile.spare),
+        )
+        for tile, teacher_tile in zip(student, teacher)
+    ]
+    result = _ce.exchange_cross_entropy(torch.cat(local, dim=1), group_name, temperature)
+    return (*result,)  # the schema's plain tuple, not the NamedTuple
+
+
+@lm_head_cross_entropy_stats.register_fake
+def _(hidden, weight, teacher_hidden, teacher_weight, temperature, **options):
+    row = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
+    return tuple(torch.empty_like(row) for _ in CrossEntropyStats._fields)
+
+
+@torch.library.custom_op("compiled_logprob::lm_head_cross_entropy_backward", mutates_args=())
+def lm_head_cross_entropy_backward(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: torch.Tensor | None,
+    shift: torch.Tensor,
+    log_norm: torch.Tensor,
+    target_shift: torch.Tensor,
+    target_log_norm: torch.Tensor,
+    cross_entropy: torch.Tensor,
+    *,
+    group_name: str | None,
+    chunk_size: int | None,
+    sequence_parallel: bool,
+    logits_dtype: torch.dtype,
+    teacher_logits_dtype: torch.dtype,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    saved = CrossEntropyStats(shift, log_norm, target_shift, target_log_norm, cross_entropy)
+    sides = [
+        _Side(hidden, weight, logits_dtype, needs[0], needs[1]),
+        _Side(teacher_hidden, teacher_weight, teacher_logits_dtype, needs[2], needs[3]),
+    ]
+    weight, teacher_weight = sides[0].weight, sides[1].weight  # in the logits' dtypes
+    student = tiles(hidden, weight, chunk_size, spare=True, logits_dtype=logits_dtype)
+    teacher = tiles(
+        teacher_hidden, teacher_weight, chunk_size, spare=False, workspace=False,
+        logits_dtype=teacher_logits_dtype,
+    )
+    # Both gradients read both tiles: the student's, rounded, needs a buffer of its own.
+    both = sides[0].needed and sides[1].needed and logits_dtype != torch.float32
+    rounded = tiles(
+        hidden, weight, chunk_size, spare=False, workspace=False, logits_dtype=logits_dtype
+    ) if both else student
+    for tile, teacher_tile, rounded_tile in zip(student, teacher, rounded):
+        rows = tile.rows
+        x = logits_tile(hidden[:, rows], weight, tile.logits)
+        y = logits_tile(teacher_hidden[:, rows], teacher_weight, teacher_tile.logits)
+        for side, wrt_target, into in ((sides[0], False, rounded_tile.logits), (sides[1], True, y)):
+            if not side.needed:
+                continue
+            gradient = _ce.grad_cross_entropy(
+                grad[:, rows],
+                x,
+                y,
+                block_rows(temperature, rows),
+                saved.block(rows),
+                wrt_target=wrt_target,
+                ops=Eager(tile.workspace, tile.spare),
+            )
+            if gradient.dtype != into.dtype:
+                gradient = into.copy_(gradient)  # rounded once, into a spent tile
+            side.accumulate(gradient, rows)
+    results = []
+    for side in sides:
+        grad_hidden, grad_weight = side.results()
+        if side.needs_hidden and not sequence_parallel:
+            grad_hidden = _comm.all_reduce_sum(grad_hidden, group_name)
+        results += [grad_hidden, grad_weight]
+    return tuple(results)  # type: ignore[return-value]
+
+
+class _Side:
+    """One model's gradient buffers: its hidden states' (per chunk) and weight's (summed)."""
+
+    def __init__(self, hidden, weight, logits_dtype, needs_hidden: bool, needs_weight: bool):
+        # The weight in the logits' dtype for the products; the gradient in its own.
+        self.hidden, self.weight, self.weight_dtype = hidden, weight.to(logits_dtype), weight.dtype
+        self.needs_hidden, self.needs_weight = needs_hidden, needs_weight
+        self.needed = needs_hidden or needs_weight
+        self.grad_hidden = hidden.new_empty(hidden.shape if needs_hidden else (0,))
+        self.grad_weight = weight.new_zeros(
+            weight.shape if needs_weight else (0,), dtype=torch.float32
+        )
+        mixed = needs_weight and logits_dtype != torch.float32
+        self.product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
+
+    def accumulate(self, gradient: torch.Tensor, rows: slice) -> None:
+        """Adds the chunk ``rows``' logits gradient ``[B, c, V_local]``."""
+        flat = gradient.flatten(0, 1)
+        if self.needs_hidden:
+            self.grad_hidden[:, rows] = matmul.mm(flat, self.weight).unflatten(0, gradient.shape[:2])
+        if self.needs_weight:
+            matmul.add_mm(self.grad_weight, flat.T, self.hidden[:, rows].flatten(0, 1), self.product)
+
+    def results(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.grad_hidden, self.grad_weight.to(self.weight_dtype)
+
+
+@lm_head_cross_entropy_backward.register_fake
+def _(grad, hidden, weight, teacher_hidden, teacher_weight, *rest, needs, **options):
+    inputs = (hidden, weight, teacher_hidden, teacher_weight)
+    return tuple(
+        tensor.new_empty(tensor.shape if needed else (0,)) for tensor, needed in zip(inputs, needs)
+    )
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    result = CrossEntropyStats(*output)
+    # Only the cross-entropy is an output of the public function.
+    ctx.mark_non_differentiable(
+        result.shift, result.log_norm, result.target_shift, result.target_log_norm
+    )
+    ctx.save_for_backward(*inputs, *output)
+    ctx.options = dict(keyword_only_inputs)
+
+
+def _backward(ctx, _, __, ___, ____, grad):
+    needs = list(ctx.needs_input_grad[:4])
+    grads = lm_head_cross_entropy_backward(grad, *ctx.saved_tensors, **ctx.options, needs=needs)
+    return *(g if needed else None for g, needed in zip(grads, needs)), None
+
+
+lm_head_cross_entropy_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+def lm_head_cross_entropy_of(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: torch.Tensor | None,
+    **options,
+) -> CrossEntropyStats:
+    """:func:`lm_head_cross_entropy_stats` with its outputs named."""
+    return CrossEntropyStats(*lm_head_cross_entropy_stats(
+        hidden, weight, teacher_hidden, teacher_weight, temperature, **options
+    ))
