@@ -21,6 +21,10 @@ differs, on purpose:
   gradient of ``z_target − lse`` at the kept ids); ``B * S`` need not divide by the TP size;
 * ``get_distillation_topk_logprobs_from_logits`` refuses ``calculate_entropy`` without
   ``zero_outside_topk`` (NeMo-RL fails on ``None`` there) and handles CP on every layout;
+* ``ChunkedDistributedHiddenStatesToLogprobs`` and ``from_parallel_hidden_states_to_logprobs``
+  accept ``chunk_size=None`` (a 64 MiB logits tile) and a ``tp_group`` of ``None`` (an
+  unsharded vocabulary; NeMo-RL gathers over WORLD there), and sum the weight's gradient over
+  chunks in fp32;
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
 
 ``top_k`` of 0 (or -1) filters nothing, as in NeMo-RL. ``patch_gpt_model_forward_for_linear_ce_fusion``
@@ -45,6 +49,10 @@ from compiled_logprob.nemo_compat._distillation import (
     distributed_vocab_topk,
     gather_logits_at_global_indices,
     get_distillation_topk_logprobs_from_logits,
+)
+from compiled_logprob.nemo_compat._hidden_states import (
+    ChunkedDistributedHiddenStatesToLogprobs,
+    from_parallel_hidden_states_to_logprobs,
 )
 from compiled_logprob.nemo_compat._logprobs import (
     ChunkedDistributedEntropy,
@@ -74,6 +82,7 @@ __all__ = [
     "AllGatherCPTensor",
     "ChunkedDistributedEntropy",
     "ChunkedDistributedGatherLogprob",
+    "ChunkedDistributedHiddenStatesToLogprobs",
     "ChunkedDistributedLogprob",
     "ChunkedDistributedLogprobWithSampling",
     "DistributedCrossEntropy",
@@ -90,6 +99,7 @@ __all__ = [
     "cp_shift_next",
     "distributed_vocab_topk",
     "dtensor_from_parallel_logits_to_logprobs",
+    "from_parallel_hidden_states_to_logprobs",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
     "gather_logits_at_global_indices",

@@ -17,16 +17,24 @@ def this_shard(
 ) -> tuple[torch.Tensor, int]:
     """The logits (detached for ``inference_only``) and the shard's start as a Python int,
     after checking NeMo's redundant shard bounds against the shard's width."""
+    start = shard_start(
+        logits.shape[-1], vocab_start_index, vocab_end_index, f"logits (shape {tuple(logits.shape)})"
+    )
+    return (logits.detach() if inference_only else logits), start
+
+
+def shard_start(width: int, vocab_start_index: int, vocab_end_index: int, holder: str) -> int:
+    """``vocab_start_index`` as a Python int, once NeMo's redundant shard bounds are checked
+    against the ``width`` vocabulary entries that this rank's ``holder`` holds."""
     vocab_start_index = _validation.as_int(vocab_start_index, "vocab_start_index", minimum=0)
     vocab_end_index = _validation.as_int(vocab_end_index, "vocab_end_index")
-    width = logits.shape[-1]
     if vocab_end_index - vocab_start_index != width:
         raise ValueError(
             f"vocab_end_index - vocab_start_index = {vocab_end_index} - {vocab_start_index} = "
-            f"{vocab_end_index - vocab_start_index}, but this rank's logits hold {width} vocabulary "
-            f"entries (shape {tuple(logits.shape)}); pass this rank's own shard bounds"
+            f"{vocab_end_index - vocab_start_index}, but this rank's {holder} hold {width} "
+            "vocabulary entries; pass this rank's own shard bounds"
         )
-    return (logits.detach() if inference_only else logits), vocab_start_index
+    return vocab_start_index
 
 
 class FilterSettings(TypedDict):
