@@ -6,7 +6,15 @@
   to the compiler anyway), forward and backward — they do not.
 
 With ``--topk K`` both score the top K instead (``vocab_parallel_topk`` of the logits
-against ``lm_head_topk``: a distillation teacher's top-k, with its gradient).
+against ``lm_head_topk``: a distillation teacher's top-k, with its gradient). ``--variant``
+measures the hidden-state path's options against the logits path doing the same:
+
+* ``filtered``: ``top_k=50, top_p=0.9`` (a sampler's filtered distribution);
+* ``fp32_logits``: bf16 hidden states and weight, ``logits_dtype=torch.float32`` against
+  the logits path on an fp32 LM head's logits (``hidden.float() @ weight.float().T``) and
+  against ``lm_head`` in bf16;
+* ``cross_entropy``: ``lm_head_cross_entropy`` against ``vocab_parallel_cross_entropy`` of
+  both models' logits, a frozen teacher of the same shapes.
 
 Both produce the gradients of the hidden states and the weight. Each configuration runs in a
 fresh subprocess: the peak resident memory of the first training step is measured over the
@@ -17,6 +25,7 @@ step time is the median of ``--steps`` steps. Results go to ``perf/results/lm_he
     python perf/bench_lm_head.py                   # V = 152064, [1, 8192, 256], fp32
     python perf/bench_lm_head.py --hidden 512 --chunks 110 256
     python perf/bench_lm_head.py --topk 32
+    python perf/bench_lm_head.py --seq 2048 --variant filtered   # fp32_logits, cross_entropy
 """
 
 from __future__ import annotations
@@ -30,15 +39,36 @@ import sys
 import time
 
 import torch
-from harness import reset_peak_rss, rss_kib
+from harness import machine_header, reset_peak_rss, rss_kib
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _step(method: str, hidden, weight, target, chunk: int | None, topk: int) -> None:
+FILTER = {"top_k": 50, "top_p": 0.9}
+
+
+def _step(method: str, hidden, weight, target, chunk: int | None, topk: int, variant: str) -> None:
     import compiled_logprob as cl
 
-    if topk:
+    if variant == "filtered":
+        if method == "logits":
+            logprobs = cl.token_logprobs(hidden @ weight.T, target, **FILTER)
+        else:
+            logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk, **FILTER)
+        logprobs = torch.where(logprobs.isinf(), 0.0, logprobs)
+    elif variant == "fp32_logits":
+        if method == "logits":
+            logprobs = cl.token_logprobs(hidden.float() @ weight.float().T, target)
+        else:
+            dtype = torch.float32 if method == "lm_head" else None  # "lm_head bf16"
+            logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk, logits_dtype=dtype)
+    elif variant == "cross_entropy":
+        teacher_hidden, teacher_weight = hidden.detach() * 0.5, weight.detach().flip(0)
+        if method == "logits":
+            logprobs = cl.vocab_parallel_cross_entropy(hidden @ weight.T, teacher_hidden @ teacher_weight.T)
+        else:
+            logprobs = cl.lm_head_cross_entropy(hidden, weight, teacher_hidden, teacher_weight, chunk_size=chunk)
+    elif topk:
         if method == "logits":
             logprobs, _ = cl.vocab_parallel_topk(hidden @ weight.T, topk)
         else:
@@ -51,12 +81,21 @@ def _step(method: str, hidden, weight, target, chunk: int | None, topk: int) -> 
 
 
 def measure(
-    method: str, batch: int, seq: int, hidden_size: int, vocab: int, chunk: int | None, steps: int, topk: int
+    method: str,
+    batch: int,
+    seq: int,
+    hidden_size: int,
+    vocab: int,
+    chunk: int | None,
+    steps: int,
+    topk: int,
+    variant: str = "plain",
 ) -> dict:
     """Runs in the subprocess: peak memory of the first step, median time of ``steps``."""
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(batch, seq, hidden_size, generator=gen).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_()
+    dtype = torch.bfloat16 if variant == "fp32_logits" else torch.float32
+    hidden = torch.randn(batch, seq, hidden_size, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).requires_grad_()
     target = torch.randint(0, vocab, (batch, seq), generator=gen)
     times = []
     for step in range(steps):
@@ -65,7 +104,7 @@ def measure(
             reset_peak_rss()
             baseline = rss_kib("VmRSS")
         start = time.perf_counter()
-        _step(method, hidden, weight, target, chunk, topk)
+        _step(method, hidden, weight, target, chunk, topk, variant)
         times.append(time.perf_counter() - start)
         if step == 0:
             peak = rss_kib("VmHWM") - baseline
@@ -79,6 +118,14 @@ def _run_fresh(config: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+TITLES = {
+    "plain": "",
+    "filtered": "Top-k/top-p filtered log-probs (top_k=50, top_p=0.9)",
+    "fp32_logits": "Log-probs with fp32 logits from a bf16 LM head",
+    "cross_entropy": "Distillation cross-entropy of two models",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -88,27 +135,30 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="*", default=[0], help="lm_head chunk sizes (0: default)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--topk", type=int, default=0, help="score the top K instead of a target")
+    parser.add_argument("--variant", choices=sorted(TITLES), default="plain")
     args = parser.parse_args()
     shape = dict(
         batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, steps=args.steps,
-        topk=args.topk,
+        topk=args.topk, variant=args.variant,
     )
     rows = [("logits path", _run_fresh(dict(shape, method="logits", chunk=None)))]
     for chunk in args.chunks:
         result = _run_fresh(dict(shape, method="lm_head", chunk=chunk or None))
         rows.append((f"lm_head chunk={chunk or 'default'}", result))
+    if args.variant == "fp32_logits":
+        rows.append(("lm_head, bf16 logits", _run_fresh(dict(shape, method="lm_head bf16", chunk=None))))
     base = rows[0][1]
+    title = TITLES[args.variant] or f"{f'Top-{args.topk}' if args.topk else 'Token'} log-probs"
     lines = [
-        (
-            f"# {f'Top-{args.topk}' if args.topk else 'Token'} log-probs from hidden states vs "
-            "the logits path (CPU, fp32, forward + backward)"
-        ),
+        f"# {title} from hidden states vs the logits path (CPU, forward + backward)",
         "",
-        f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}], "
+        f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}] "
+        f"({'bf16' if args.variant == 'fp32_logits' else 'fp32'}), "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. Peak: resident memory of the "
         "first step over that before it (fresh process per row); time: median of "
         f"{args.steps} steps, matmuls included.",
         "",
+        machine_header("cpu"),
         "| method | peak MiB | × logits path | step s | × logits path |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -119,7 +169,8 @@ def main() -> None:
         )
     report = "\n".join(lines) + "\n"
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "lm_head_topk.md" if args.topk else "lm_head.md"), "w") as out:
+    name = f"lm_head_{args.variant}.md" if args.variant != "plain" else "lm_head_topk.md" if args.topk else "lm_head.md"
+    with open(os.path.join(RESULTS, name), "w") as out:
         out.write(report)
     print(report)
 
