@@ -270,6 +270,16 @@ def _disagreeing_call(case: str) -> None:
     elif case == "topk k = 4 vs 5":
         cl.vocab_parallel_topk(shard, 4 + one, vocab_start=start, group=group)
         return
+    elif case in ("logits_dtype on one rank", "sequence_parallel on one rank"):
+        hidden, weight = torch.randn(2, 4, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+        extra = (
+            {"logits_dtype": torch.float32 if one else None}
+            if case.startswith("logits_dtype")
+            else {"sequence_parallel": one}
+        )
+        ids = torch.randint(0, 12, (2, 4))
+        cl.lm_head_token_logprobs(hidden, weight, ids, vocab_start=6 * rank, group=group, **extra)
+        return
     elif case == "context-parallel length":
         local = shard[:, : 2 + 2 * one]
         cl.context_parallel_logprobs(local, ids[:, :4], cp_group=group)
@@ -301,6 +311,8 @@ AGREEMENT_CASES = {
     "top_k with another chunk_size": "chunk_size differs",
     "topk k = 4 vs 5": "k differs",
     "context-parallel length": "logits differs",
+    "logits_dtype on one rank": "logits_dtype differs",
+    "sequence_parallel on one rank": "rank 1: target ((2, 4) on cpu) must have the hidden states' leading shape (2, 8)",
 }
 
 
