@@ -21,11 +21,11 @@ from compiled_logprob.context_parallel import (
 )
 from compiled_logprob.dtensor import dtensor_logprobs, vocab_shard_bounds
 from compiled_logprob.lm_head import lm_head_token_logprobs, lm_head_topk
-from compiled_logprob.lm_head_distillation import lm_head_cross_entropy
 from compiled_logprob.lm_head_context_parallel import (
     lm_head_context_parallel_logprobs,
     lm_head_packed_context_parallel_logprobs,
 )
+from compiled_logprob.lm_head_distillation import lm_head_cross_entropy
 from compiled_logprob.logits import (
     token_logprobs,
     vocab_parallel_cross_entropy,

@@ -249,19 +249,32 @@ def backward_options(keyword_only_inputs: dict) -> dict:
 
 def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
     hidden, weight, target, temperature, shift, log_norm, entropy = ctx.saved_tensors
+    grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy if ctx.with_entropy else None)
+    saved = _grad.RowStats(shift, log_norm, temperature, entropy)
+    return input_grads(ctx, grads, saved, hidden, weight, target)
+
+
+def input_grads(
+    ctx,
+    grads: _grad.RowGrads,
+    saved: _grad.RowStats,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    """An LM-head op's autograd result for its inputs ``(hidden, weight, target,
+    temperature)``: :func:`lm_head_stats_backward` of only the gradients asked for."""
     needs_grad_hidden, needs_grad_weight, _, _ = ctx.needs_input_grad
     grad_hidden, grad_weight = lm_head_stats_backward(
-        grad_log_norm,
-        grad_target_logit,
-        grad_entropy if ctx.with_entropy else None,
+        *grads,
         hidden,
         weight,
         target,
-        temperature,
-        shift,
-        log_norm,
-        entropy,
-        None,
+        saved.temperature,
+        saved.shift,
+        saved.log_norm,
+        saved.entropy,
+        saved.threshold,
         **ctx.options,
         needs_grad_hidden=needs_grad_hidden,
         needs_grad_weight=needs_grad_weight,

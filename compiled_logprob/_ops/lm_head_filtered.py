@@ -19,15 +19,11 @@ import torch
 
 from compiled_logprob import _comm
 from compiled_logprob._math import filtering
+from compiled_logprob._math import grad as _grad
 from compiled_logprob._math.kernels import block_rows
 from compiled_logprob._ops.blocks import MIN_FILTER_ROWS, min_block_elements
 from compiled_logprob._ops.filtering import FilteredStats
-from compiled_logprob._ops.lm_head import (
-    backward_options,
-    lm_head_stats_backward,
-    logits_tile,
-    tiles,
-)
+from compiled_logprob._ops.lm_head import backward_options, input_grads, logits_tile, tiles
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_filtered_stats", mutates_args=())
@@ -89,29 +85,9 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 def _backward(ctx, _, grad_log_norm, grad_target_logit, __, ___):
     hidden, weight, target, temperature, shift, log_norm, threshold = ctx.saved_tensors
-    needs_grad_hidden, needs_grad_weight, _, _ = ctx.needs_input_grad
-    grad_hidden, grad_weight = lm_head_stats_backward(
-        grad_log_norm,
-        grad_target_logit,
-        None,
-        hidden,
-        weight,
-        target,
-        temperature,
-        shift,
-        log_norm,
-        None,
-        threshold,
-        **ctx.options,
-        needs_grad_hidden=needs_grad_hidden,
-        needs_grad_weight=needs_grad_weight,
-    )
-    return (
-        grad_hidden if needs_grad_hidden else None,
-        grad_weight if needs_grad_weight else None,
-        None,
-        None,
-    )
+    grads = _grad.RowGrads(grad_log_norm, grad_target_logit, None)
+    saved = _grad.RowStats(shift, log_norm, temperature, threshold=threshold)
+    return input_grads(ctx, grads, saved, hidden, weight, target)
 
 
 lm_head_filtered_stats.register_autograd(_backward, setup_context=_setup_context)
