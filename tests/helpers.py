@@ -27,6 +27,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import compiled_logprob as cl
 from compiled_logprob._math.topk import TOPK_BLOCK
 from compiled_logprob.lm_head import lm_head_token_logprobs
-from compiled_logprob.testing.multiprocess import property_in_lockstep
+from compiled_logprob.testing.multiprocess import default_timeout, property_in_lockstep
 from compiled_logprob.testing.reference import (
     oracle_entropy,
     oracle_filtered_log_softmax,
@@ -1219,3 +1223,16 @@ OPCHECK_CASES = {
     "compiled_logprob::lm_head_cross_entropy_stats": _lm_head_cross_entropy_cases,
     "compiled_logprob::lm_head_cross_entropy_backward": _lm_head_cross_entropy_backward_cases,
 }
+
+
+def run_example(name: str, timeout: float) -> str:
+    """Runs ``examples/{name}`` as a reader would (a fresh interpreter, the checkout on the
+    path) and returns its output; a failure shows its output."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / name)],
+        env=env, capture_output=True, text=True, timeout=default_timeout(timeout),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout

@@ -11,15 +11,11 @@ rank comparing with the single-process result that it computes itself.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DTYPES, check_sharded_property, cp_layout, ref_shard, tp_group
+from helpers import DTYPES, check_sharded_property, cp_layout, ref_shard, run_example, tp_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -27,7 +23,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import compiled_logprob as cl
 from compiled_logprob._math.tiles import TILE_WIDTH
 from compiled_logprob.sampler import sampler_logprobs
-from compiled_logprob.testing.multiprocess import default_timeout
 
 # A vocabulary of whole tiles and a narrower last one.
 VOCAB = 3 * TILE_WIDTH + 100
@@ -418,11 +413,4 @@ def test_sampler_logprobs_wants_one_row_per_request():
 
 def test_the_on_policy_example_agrees_to_the_bit():
     """examples/on_policy.py: a TP = 2 x CP = 2 trainer and a token-by-token sampler."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(root / "examples" / "on_policy.py")],
-        env=env, capture_output=True, text=True, timeout=default_timeout(120),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "bit for bit" in done.stdout
+    assert "bit for bit" in run_example("on_policy.py", timeout=120)
