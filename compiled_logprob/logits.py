@@ -47,6 +47,7 @@ def _stats(
     *,
     with_entropy: bool = False,
     topk: int = 0,
+    inplace_backward: bool = False,
 ) -> Stats:
     """The op's :class:`~compiled_logprob._math.merge.Stats` of ``target`` ``[..., S, K]``, or
     of the top ``topk`` ids when ``target`` is ``None``, in the logits' leading shape."""
@@ -58,6 +59,7 @@ def _stats(
         **options._asdict(),
         with_entropy=with_entropy,
         topk=topk,
+        inplace_backward=inplace_backward,
     )
     return Stats(
         stats.shift.view(rows_shape),
@@ -82,6 +84,7 @@ def token_logprobs(
     return_entropy: Literal[False] = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -98,6 +101,7 @@ def token_logprobs(
     return_entropy: Literal[True],
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -114,6 +118,7 @@ def token_logprobs(
     return_entropy: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -130,6 +135,7 @@ def token_logprobs(
     return_entropy: bool = False,
     top_k: int | None = None,
     top_p: float = 1.0,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token under the softmax over the full vocabulary.
 
@@ -163,6 +169,12 @@ def token_logprobs(
             logits hands each rank ``1 / TP`` of the rows, whole, to filter (as NeMo-RL
             does), and one all-gather of ``[B·S / TP, 3 + K]`` statistics brings the rows'
             back (per chunk, with ``chunk_size``); backward communicates nothing.
+        inplace_backward: the backward writes the logits' gradient into the logits' own
+            storage and hands it on as the gradient, so that training needs no buffer of the
+            logits' size (as Megatron's cross-entropy and flash-attn's do). The caller
+            promises not to read the logits after the backward; anything else that saved
+            them for its own backward fails loudly (autograd's version check) rather than
+            reading the gradient.
 
     Returns:
         fp32 log-probs of ``target``'s shape, differentiable with respect to ``logits``
@@ -177,7 +189,17 @@ def token_logprobs(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
     filtering = _validation.filter_options(top_k, top_p, logits.shape[-1], opts, group, return_entropy)
-    return finish(_token_logprobs(logits, target, opts, temperature, return_entropy, filtering))
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r:.80}")
+    if inplace_backward and logits.requires_grad and logits.is_leaf:
+        raise ValueError(
+            "inplace_backward=True needs logits that a model computed (a non-leaf tensor): a "
+            "leaf's gradient goes to its own .grad buffer anyway, and its values would be lost; "
+            "pass inplace_backward=False"
+        )
+    return finish(
+        _token_logprobs(logits, target, opts, temperature, return_entropy, filtering, inplace_backward)
+    )
 
 
 class Scored(NamedTuple):
@@ -222,6 +244,7 @@ def _token_logprobs(
     temperature: float | torch.Tensor,
     return_entropy: bool,
     filtering: tuple[int, float] | None = None,
+    inplace_backward: bool = False,
 ) -> Scored:
     """:func:`token_logprobs` of validated arguments (the context-parallel entry points call
     it for their local positions)."""
@@ -229,9 +252,14 @@ def _token_logprobs(
     ids = target.unsqueeze(-1) if per_position else target  # [..., S, K]
     positions = logits.shape[:-1]
     if filtering is not None:
-        logprobs, verdict = _filtered_logprobs(logits, ids, options, temperature, *filtering)
+        logprobs, verdict = _filtered_logprobs(
+            logits, ids, options, temperature, *filtering, inplace_backward=inplace_backward
+        )
         return Scored(logprobs.view(target.shape), None, verdict.view(positions))
-    stats = _stats(logits, ids, options, temperature, with_entropy=return_entropy)
+    stats = _stats(
+        logits, ids, options, temperature, with_entropy=return_entropy,
+        inplace_backward=inplace_backward,
+    )
     return logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
 
 
@@ -268,6 +296,8 @@ def _filtered_logprobs(
     temperature: float | torch.Tensor,
     top_k: int,
     top_p: float,
+    *,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated :func:`token_logprobs` with filtering, of ``target`` ``[..., S, K]``:
     ``(logprobs, verdict)``, batched."""
@@ -279,6 +309,7 @@ def _filtered_logprobs(
         **options._asdict(),
         top_k=top_k,
         top_p=top_p,
+        inplace_backward=inplace_backward,
     )
     return filtered_logprobs(stats, batched_target, options.ignore_index), stats.verdict
 

@@ -16,10 +16,13 @@ on purpose (docs/verl.md):
   Megatron's cross-entropy return fp32 log-probs), from fp32 math whatever the logits' dtype;
 * a label outside ``[0, V)`` is an error, detected on the device, not a log-prob of 0 or an
   out-of-bounds read;
-* the logits are never written: no ``inplace_backward`` (accepted, and ignored: the backward
-  writes one gradient buffer), and Megatron's cross-entropy's in-place ``logits -= max`` on
-  fp32 logits does not happen, so ``vocab_parallel_entropy`` and the log-probs may share one
-  logits tensor (verl's Megatron actor clones it for that);
+* the logits are written only where verl's flash-attn kernel writes them: with
+  ``inplace_backward`` (its default, as verl's), ``logprobs_from_logits``' backward puts the
+  logits' gradient into a model's logits (not into a leaf tensor's); a later backward that
+  needs those logits fails loudly (autograd's version check) instead of reading the
+  gradient. Megatron's cross-entropy's in-place ``logits -= max`` on fp32 logits does not
+  happen, so ``vocab_parallel_entropy`` and the Megatron log-probs may share one logits
+  tensor (verl's Megatron actor clones it for that);
 * the Megatron helpers take ``tp_group=``: by default Megatron's tensor-parallel group when
   ``megatron.core`` is initialised, else none (an unsharded vocabulary) in a single process;
 * everything traces under ``torch.compile(fullgraph=True)`` with no host syncs.
@@ -54,12 +57,14 @@ def logprobs_from_logits(
     """Drop-in for verl's ``logprobs_from_logits``: fp32 ``log_softmax(logits, -1)`` at
     ``labels``, of ``labels``' shape (``logits`` ``[..., V]``, ``labels`` ``[...]``).
 
-    ``inplace_backward`` is accepted for verl's call sites and changes nothing: the logits are
-    never written, and the backward forms one gradient in the logits' dtype.
+    ``inplace_backward``, as verl's flash-attn kernel: the backward writes the logits'
+    gradient into the logits themselves (no buffer of their size), where they are a model's
+    output; a leaf tensor's values are kept (its gradient is a buffer of its own anyway).
     """
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r:.80}")
-    return _logits.token_logprobs(logits, labels)
+    inplace = inplace_backward and not (logits.requires_grad and logits.is_leaf)
+    return _logits.token_logprobs(logits, labels, inplace_backward=inplace)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

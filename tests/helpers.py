@@ -1212,6 +1212,11 @@ OPCHECK_CASES = {
     "compiled_logprob::pointwise": _pointwise_cases,
     "compiled_logprob::vocab_parallel_stats": _stats_cases,
     "compiled_logprob::vocab_parallel_stats_backward": _stats_backward_cases,
+    # The in-place twin writes into its logits: each case its own copy.
+    "compiled_logprob::vocab_parallel_stats_backward_": lambda dtype, group_name: [
+        ((*args[:3], args[3].clone(), *args[4:]), options)
+        for args, options in _stats_backward_cases(dtype, group_name)
+    ],
     "compiled_logprob::filtered_stats": _filtered_cases,
     "compiled_logprob::cross_entropy_stats": _cross_entropy_cases,
     "compiled_logprob::cross_entropy_backward": _cross_entropy_backward_cases,

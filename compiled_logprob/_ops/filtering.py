@@ -3,8 +3,9 @@ softmax (``_math.filtering``), over whole rows that one all-to-all of the logits
 rank, and one all-gather of per-row statistics (per chunk in eager).
 
 ``filtered_stats(logits, target, temperature, *, vocab_start, group_name, ignore_index,
-top_k, top_p, chunk_size) -> FilteredStats``. Its backward is
-``compiled_logprob::vocab_parallel_stats_backward`` with the ``threshold``.
+top_k, top_p, chunk_size, inplace_backward) -> FilteredStats``. Its backward is
+``compiled_logprob::vocab_parallel_stats_backward`` (or, with ``inplace_backward``, its
+in-place twin) with the ``threshold``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from compiled_logprob import _comm
 from compiled_logprob._math import filtering
 from compiled_logprob._math.kernels import block_rows
 from compiled_logprob._ops.blocks import MIN_FILTER_ROWS, min_block_elements
-from compiled_logprob._ops.stats import vocab_parallel_stats_backward
+from compiled_logprob._ops.stats import logits_grad
 from compiled_logprob._torch_compat import register_decomposition
 
 
@@ -42,6 +43,7 @@ def filtered_stats(
     top_k: int,
     top_p: float,
     chunk_size: int | None,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Each block of chunk_size positions trades its own whole rows (two collectives per
     # block); the selection then walks them a few rows at a time, its temporaries in cache.
@@ -76,7 +78,8 @@ def _(logits, target, temperature, **options):
 
 @register_decomposition(torch.ops.compiled_logprob.filtered_stats.default)
 def _decompose_filtered(
-    logits, target, temperature, *, vocab_start, group_name, ignore_index, top_k, top_p, chunk_size
+    logits, target, temperature, *, vocab_start, group_name, ignore_index, top_k, top_p, chunk_size,
+    inplace_backward=False,
 ):
     return filtering.filtered_stats(
         logits, target, temperature, group_name, ignore_index, top_k=top_k, top_p=top_p
@@ -93,11 +96,13 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.options = {
         name: keyword_only_inputs[name] for name in ("vocab_start", "ignore_index", "chunk_size")
     }
+    ctx.inplace_backward = keyword_only_inputs.get("inplace_backward", False)
 
 
 def _backward(ctx, _, grad_log_norm, grad_target_logit, __, ___):
     logits, target, temperature, shift, log_norm, threshold = ctx.saved_tensors
-    grad = vocab_parallel_stats_backward(
+    grad = logits_grad(
+        ctx,
         grad_log_norm,
         grad_target_logit,
         None,
@@ -108,7 +113,6 @@ def _backward(ctx, _, grad_log_norm, grad_target_logit, __, ___):
         log_norm,
         None,
         threshold,
-        **ctx.options,
     )
     return grad, None, None
 

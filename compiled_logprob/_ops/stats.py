@@ -3,7 +3,7 @@ statistics of vocab-sharded logits (every token log-prob, logsumexp, entropy and
 the package comes from them).
 
 * ``vocab_parallel_stats(logits, target, temperature, *, vocab_start, group_name,
-  ignore_index, with_entropy, topk, chunk_size) -> Stats``: ``shift``, ``log_norm``, the
+  ignore_index, with_entropy, topk, chunk_size, inplace_backward) -> Stats``: ``shift``, ``log_norm``, the
   targets' ``target_logit`` ``[B, S, K]``, the ``entropy`` (with ``with_entropy``) and, with
   ``topk`` > 0 (and no target), the global top ``topk`` as the targets, with their
   ``topk_ids`` (``_math.merge.Stats``). One all-gather of ``[B, S, F]`` statistics and one
@@ -11,9 +11,16 @@ the package comes from them).
 * ``vocab_parallel_stats_backward``: the gradient of the differentiable outputs, written
   straight into one gradient buffer of the logits' dtype (with a ``threshold``, of the
   filtered softmax: ``filtering``'s backward too). No collective.
+* ``vocab_parallel_stats_backward_``: the same written into the saved logits themselves, for
+  ``inplace_backward`` (the caller has promised not to read the logits again): training
+  needs no gradient buffer of the logits' size. It has no decomposition: Inductor would
+  form the gradient in a fresh buffer and copy it back, so compiled graphs run its eager,
+  block-by-block kernel in place.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
@@ -38,6 +45,7 @@ def vocab_parallel_stats(
     with_entropy: bool,
     topk: int,
     chunk_size: int | None,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert not (topk and target is not None), "the top-k are the targets"
     extra = []
@@ -110,7 +118,7 @@ def _(logits, target, temperature, *, topk, **options):
 @register_decomposition(torch.ops.compiled_logprob.vocab_parallel_stats.default)
 def _decompose_stats(
     logits, target, temperature, *, vocab_start, group_name, ignore_index, with_entropy, topk,
-    chunk_size,
+    chunk_size, inplace_backward=False,
 ):
     local = stats.local_stats(
         logits, target, vocab_start, temperature=temperature, with_entropy=with_entropy
@@ -142,19 +150,35 @@ def vocab_parallel_stats_backward(
     ignore_index: int | None,
     chunk_size: int | None,
 ) -> torch.Tensor:
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy)
     saved = _grad.RowStats(shift, log_norm, temperature, entropy, threshold)
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    _backward_into(grad, grads, saved, logits, target, vocab_start, ignore_index, chunk_size)
+    return grad
+
+
+def _backward_into(
+    grad: torch.Tensor,
+    grads: _grad.RowGrads,
+    saved: _grad.RowStats,
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    vocab_start: int,
+    ignore_index: int | None,
+    chunk_size: int | None,
+) -> None:
+    """The eager backward, block by block into ``grad`` (which may be ``logits`` itself:
+    each block is read whole before it is written)."""
     # Each block's gradient is formed in place in fp32: in the gradient itself when it is
-    # fp32, else in a workspace, rounded once by the copy into the gradient.
-    in_grad = grad.dtype == torch.float32
+    # fp32 and not the logits, else in a workspace, rounded once by the copy into it.
+    in_grad = grad.dtype == torch.float32 and grad is not logits
     one_hot = None
     if target is not None:
         # The one-hot terms' [B, S, K] operands, formed once rather than block by block.
         one_hot = _grad.target_terms(
-            grad_target_logit, target, vocab_start, logits.shape[-1], ignore_index, temperature
+            grads.target_logit, target, vocab_start, logits.shape[-1], ignore_index, saved.temperature
         )
-    blocks = seq_blocks(logits, chunk_size, workspace=not in_grad, spare=grad_entropy is not None)
+    blocks = seq_blocks(logits, chunk_size, workspace=not in_grad, spare=grads.entropy is not None)
     for block in blocks:
         out = grad[:, block.rows]
         ops = Eager(out if in_grad else block.workspace, block.spare)
@@ -172,7 +196,6 @@ def vocab_parallel_stats_backward(
             )
         if result is not out:
             out.copy_(result)
-    return grad
 
 
 @vocab_parallel_stats_backward.register_fake
@@ -195,6 +218,43 @@ def _decompose_backward(
     )
 
 
+@torch.library.custom_op("compiled_logprob::vocab_parallel_stats_backward_", mutates_args=("logits",))
+def vocab_parallel_stats_backward_(
+    grad_log_norm: torch.Tensor,
+    grad_target_logit: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    shift: torch.Tensor,
+    log_norm: torch.Tensor,
+    entropy: torch.Tensor | None,
+    threshold: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    ignore_index: int | None,
+    chunk_size: int | None,
+) -> None:
+    grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy)
+    saved = _grad.RowStats(shift, log_norm, temperature, entropy, threshold)
+    _backward_into(logits, grads, saved, logits, target, vocab_start, ignore_index, chunk_size)
+
+
+@vocab_parallel_stats_backward_.register_fake
+def _(*args, **options):
+    return None
+
+
+def logits_grad(ctx, *args: torch.Tensor | None) -> torch.Tensor:
+    """The backward op of ``args`` (``vocab_parallel_stats_backward``'s), or with
+    ``ctx.inplace_backward`` its in-place twin: the gradient written into the saved logits
+    (``args[3]``), which are then the gradient."""
+    if ctx.inplace_backward:
+        vocab_parallel_stats_backward_(*args, **ctx.options)
+        return cast(torch.Tensor, args[3])
+    return vocab_parallel_stats_backward(*args, **ctx.options)
+
+
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     logits, target, temperature = inputs
     result = Stats(*output)
@@ -208,11 +268,13 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
         name: keyword_only_inputs[name] for name in ("vocab_start", "ignore_index", "chunk_size")
     }
     ctx.with_entropy = keyword_only_inputs["with_entropy"]
+    ctx.inplace_backward = keyword_only_inputs.get("inplace_backward", False)
 
 
 def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
     logits, target, temperature, shift, log_norm, entropy = ctx.saved_tensors
-    grad = vocab_parallel_stats_backward(
+    grad = logits_grad(
+        ctx,
         grad_log_norm,
         grad_target_logit,
         grad_entropy if ctx.with_entropy else None,
@@ -223,7 +285,6 @@ def _backward(ctx, _, grad_log_norm, grad_target_logit, grad_entropy, __, ___):
         log_norm,
         entropy,
         None,
-        **ctx.options,
     )
     return grad, None, None
 
