@@ -48,6 +48,9 @@ from compiled_logprob.testing.reference import (
 )
 
 METHODS = ("seed", "eager", "compiled", "floor")
+# bench_peers.py's too: torch's own compiled log-softmax + gather (TP = 1), and ours compiled
+# with inplace_backward (the logits consumed, as Megatron's cross-entropy consumes them).
+PEER_METHODS = ("torch_compiled", "compiled_inplace")
 # Every (dtype, mode, layout) compiles the same Python function once: more than Dynamo's
 # default of 8 compiles per code object.
 torch._dynamo.config.recompile_limit = 64
@@ -192,6 +195,30 @@ def _seed(case: Case, start: int, end: int, group) -> Callable:
     return lambda z, t: SeedDistributedLogprob.apply(z, t, start, end, group, inference_only)
 
 
+def _torch_log_softmax_gather(logits, target):
+    return torch.log_softmax(logits.float(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
+def _peer(method: str, case: Case, start: int, group, compiled_cache: dict) -> Callable:
+    """One of :data:`PEER_METHODS`, compiled once per (method, layout, mode)."""
+    key = (method, case.dtype, case.backward, case.tp, case.chunk, start)
+    if key not in compiled_cache:
+        if method == "torch_compiled":
+            assert case.tp == 1, "torch's log-softmax needs the whole vocabulary"
+            compiled_cache[key] = torch.compile(_torch_log_softmax_gather, fullgraph=True)
+        else:
+            ours = torch.compile(
+                lambda z, t: token_logprobs(
+                    z, t, vocab_start=start, group=group, chunk_size=case.chunk,
+                    inplace_backward=case.backward,
+                ),
+                fullgraph=True,
+            )
+            # A view of the leaf: a model's output, whose storage the backward takes over.
+            compiled_cache[key] = lambda z, t: ours(z.view_as(z), t)
+    return compiled_cache[key]
+
+
 def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> Callable[[], object]:
     """A zero-argument callable doing ``method`` once on ``inputs`` (forward, or
     forward+backward returning the logits' gradient). ``compiled_cache`` keeps one
@@ -210,6 +237,8 @@ def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> C
         if key not in compiled_cache:
             compiled_cache[key] = torch.compile(_ours(case, start, group), fullgraph=True)
         fn = compiled_cache[key]
+    elif method in PEER_METHODS:
+        fn = _peer(method, case, start, group, compiled_cache)
     else:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if not case.backward:
