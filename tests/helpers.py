@@ -1241,3 +1241,23 @@ def run_example(name: str, timeout: float) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def check_compiled_without_recompiles(fn, inputs_at, seqs=(5, 9, 13)) -> None:
+    """``fn(logits, *rest)`` compiled (fullgraph) equals eager, forward and the logits'
+    gradient, for the ``(logits, rest)`` of ``inputs_at(seq)`` at each length, in at most
+    two graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for seq in seqs:
+        logits, rest = inputs_at(seq)
+        eager, graph = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        want, got = fn(eager, *rest), compiled(graph, *rest)
+        torch.testing.assert_close(got, want)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(graph.grad, eager.grad)
+    assert counters["stats"]["unique_graphs"] - before <= 2

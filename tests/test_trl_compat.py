@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from helpers import check_compiled_without_recompiles
 
 from compiled_logprob import trl_compat
 from compiled_logprob.testing.frameworks import trl_entropy_from_logits, trl_selective_log_softmax
@@ -71,17 +71,8 @@ def test_out_of_vocabulary_index_raises():
 
 @pytest.mark.parametrize("name", sorted(trl_compat.__all__))
 def test_fullgraph_without_recompiles(name):
-    fn = getattr(trl_compat, name)
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True)
-    before = counters["stats"]["unique_graphs"]
-    for seq in (5, 9, 13):
+    def inputs_at(seq):
         logits, index = _inputs("bf16", (2, seq))
-        extra = (index,) if name == "selective_log_softmax" else ()
-        eager, graph = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        want, got = fn(eager, *extra), compiled(graph, *extra)
-        torch.testing.assert_close(got, want)
-        want.sum().backward()
-        got.sum().backward()
-        torch.testing.assert_close(graph.grad, eager.grad)
-    assert counters["stats"]["unique_graphs"] - before <= 2
+        return logits, (index,) if name == "selective_log_softmax" else ()
+
+    check_compiled_without_recompiles(getattr(trl_compat, name), inputs_at)

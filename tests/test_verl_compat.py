@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch._dynamo.utils import counters
+from helpers import check_compiled_without_recompiles
 
 from compiled_logprob import verl_compat
 from compiled_logprob.testing.frameworks import (
@@ -133,17 +133,8 @@ def test_megatron_helpers_in_one_process_take_the_whole_vocabulary():
 
 @pytest.mark.parametrize("name", sorted(verl_compat.__all__))
 def test_fullgraph_without_recompiles(name):
-    fn = getattr(verl_compat, name)
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True)
-    before = counters["stats"]["unique_graphs"]
-    for seq in (5, 9, 13):
+    def inputs_at(seq):
         logits, labels, _ = _inputs("bf16", (2, seq))
-        args = (logits, labels) if "log_probs" in name or "logprobs" in name else (logits,)
-        eager, graph = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        want, got = fn(eager, *args[1:]), compiled(graph, *args[1:])
-        torch.testing.assert_close(got, want)
-        want.sum().backward()
-        got.sum().backward()
-        torch.testing.assert_close(graph.grad, eager.grad)
-    assert counters["stats"]["unique_graphs"] - before <= 2
+        return logits, (labels,) if "log_probs" in name or "logprobs" in name else ()
+
+    check_compiled_without_recompiles(getattr(verl_compat, name), inputs_at)
