@@ -176,15 +176,10 @@ def lm_head_stats_backward(
     needs_grad_hidden: bool,
     needs_grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight)
-    grad_hidden = hidden.new_empty(hidden_shape)
-    grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)  # summed over chunks
-    # The gradient is rounded to the logits' dtype; a product in it goes through a buffer.
-    mixed = needs_grad_weight and logits_dtype != torch.float32
-    product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
     grads = _grad.RowGrads(grad_log_norm, grad_target_logit, grad_entropy)
     saved = _grad.RowStats(shift, log_norm, temperature, entropy, threshold)
-    weight_dtype, weight = weight.dtype, weight.to(logits_dtype)
+    head = HeadGrads(hidden, weight, logits_dtype, needs_grad_hidden, needs_grad_weight)
+    weight = head.weight  # in the logits' dtype
     chunks = tiles(
         hidden, weight, chunk_size, spare=grad_entropy is not None, logits_dtype=logits_dtype
     )
@@ -201,14 +196,49 @@ def lm_head_stats_backward(
         )
         if grad.dtype != logits_dtype:
             grad = tile.logits.copy_(grad)  # rounded once, into the tile: its logits are spent
-        if needs_grad_hidden:
-            grad_rows = matmul.mm(grad.flatten(0, 1), weight)
-            grad_hidden[:, rows] = grad_rows.unflatten(0, grad.shape[:2])
-        if needs_grad_weight:
-            matmul.add_mm(grad_weight, grad.flatten(0, 1).T, hidden[:, rows].flatten(0, 1), product)
-    if needs_grad_hidden and not sequence_parallel:
-        grad_hidden = _comm.all_reduce_sum(grad_hidden, group_name)
-    return grad_hidden, grad_weight.to(weight_dtype)
+        head.accumulate(grad, rows)
+    return head.results(group_name, sequence_parallel)
+
+
+class HeadGrads:
+    """One LM head's gradient buffers, only those asked for (the others ``[0]``): its
+    hidden states' (chunk by chunk) and its weight's (summed over chunks in fp32)."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        logits_dtype: torch.dtype,
+        needs_hidden: bool,
+        needs_weight: bool,
+    ):
+        # The weight in the logits' dtype for the products; its gradient in its own.
+        self.hidden, self.weight, self.weight_dtype = hidden, weight.to(logits_dtype), weight.dtype
+        self.needs_hidden, self.needs_weight = needs_hidden, needs_weight
+        self.needed = needs_hidden or needs_weight
+        hidden_shape, weight_shape = _grad_shapes(hidden, weight, needs_hidden, needs_weight)
+        self.grad_hidden = hidden.new_empty(hidden_shape)
+        self.grad_weight = weight.new_zeros(weight_shape, dtype=torch.float32)
+        # The gradient is rounded to the logits' dtype; a product in it goes through a buffer.
+        mixed = needs_weight and logits_dtype != torch.float32
+        self.product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
+
+    def accumulate(self, gradient: torch.Tensor, rows: slice) -> None:
+        """Adds the chunk ``rows``' logits gradient ``[B, c, V_local]``."""
+        flat = gradient.flatten(0, 1)
+        if self.needs_hidden:
+            self.grad_hidden[:, rows] = matmul.mm(flat, self.weight).unflatten(0, gradient.shape[:2])
+        if self.needs_weight:
+            matmul.add_mm(self.grad_weight, flat.T, self.hidden[:, rows].flatten(0, 1), self.product)
+
+    def results(self, group_name: str | None, sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(grad_hidden, grad_weight)``: the hidden states' all-reduced over the TP group,
+        each rank's part covering only its vocabulary slice of the replicated hidden states
+        (with ``sequence_parallel`` not: the all-gather's backward sums the parts)."""
+        grad_hidden = self.grad_hidden
+        if self.needs_hidden and not sequence_parallel:
+            grad_hidden = _comm.all_reduce_sum(grad_hidden, group_name)
+        return grad_hidden, self.grad_weight.to(self.weight_dtype)
 
 
 def _grad_shapes(hidden, weight, needs_grad_hidden, needs_grad_weight):

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from compiled_logprob import _comm
 from compiled_logprob._math import cross_entropy as _ce
-from compiled_logprob._math import matmul
 from compiled_logprob._math.cross_entropy import CrossEntropyStats
 from compiled_logprob._math.kernels import Eager, block_rows
-from compiled_logprob._ops.lm_head import logits_tile, tiles
+from compiled_logprob._ops.lm_head import HeadGrads, logits_tile, tiles
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_cross_entropy_stats", mutates_args=())
@@ -92,8 +90,8 @@ def lm_head_cross_entropy_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     saved = CrossEntropyStats(shift, log_norm, target_shift, target_log_norm, cross_entropy)
     sides = [
-        _Side(hidden, weight, logits_dtype, needs[0], needs[1]),
-        _Side(teacher_hidden, teacher_weight, teacher_logits_dtype, needs[2], needs[3]),
+        HeadGrads(hidden, weight, logits_dtype, needs[0], needs[1]),
+        HeadGrads(teacher_hidden, teacher_weight, teacher_logits_dtype, needs[2], needs[3]),
     ]
     weight, teacher_weight = sides[0].weight, sides[1].weight  # in the logits' dtypes
     student = tiles(hidden, weight, chunk_size, spare=True, logits_dtype=logits_dtype)
@@ -125,40 +123,10 @@ def lm_head_cross_entropy_backward(
             if gradient.dtype != into.dtype:
                 gradient = into.copy_(gradient)  # rounded once, into a spent tile
             side.accumulate(gradient, rows)
-    results = []
-    for side in sides:
-        grad_hidden, grad_weight = side.results()
-        if side.needs_hidden and not sequence_parallel:
-            grad_hidden = _comm.all_reduce_sum(grad_hidden, group_name)
-        results += [grad_hidden, grad_weight]
-    return tuple(results)  # type: ignore[return-value]
-
-
-class _Side:
-    """One model's gradient buffers: its hidden states' (per chunk) and weight's (summed)."""
-
-    def __init__(self, hidden, weight, logits_dtype, needs_hidden: bool, needs_weight: bool):
-        # The weight in the logits' dtype for the products; the gradient in its own.
-        self.hidden, self.weight, self.weight_dtype = hidden, weight.to(logits_dtype), weight.dtype
-        self.needs_hidden, self.needs_weight = needs_hidden, needs_weight
-        self.needed = needs_hidden or needs_weight
-        self.grad_hidden = hidden.new_empty(hidden.shape if needs_hidden else (0,))
-        self.grad_weight = weight.new_zeros(
-            weight.shape if needs_weight else (0,), dtype=torch.float32
-        )
-        mixed = needs_weight and logits_dtype != torch.float32
-        self.product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
-
-    def accumulate(self, gradient: torch.Tensor, rows: slice) -> None:
-        """Adds the chunk ``rows``' logits gradient ``[B, c, V_local]``."""
-        flat = gradient.flatten(0, 1)
-        if self.needs_hidden:
-            self.grad_hidden[:, rows] = matmul.mm(flat, self.weight).unflatten(0, gradient.shape[:2])
-        if self.needs_weight:
-            matmul.add_mm(self.grad_weight, flat.T, self.hidden[:, rows].flatten(0, 1), self.product)
-
-    def results(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.grad_hidden, self.grad_weight.to(self.weight_dtype)
+    (grad_hidden, grad_weight), (grad_teacher_hidden, grad_teacher_weight) = (
+        side.results(group_name, sequence_parallel) for side in sides
+    )
+    return grad_hidden, grad_weight, grad_teacher_hidden, grad_teacher_weight
 
 
 @lm_head_cross_entropy_backward.register_fake
