@@ -62,6 +62,19 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         )
 
 
+def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bool:
+    """``inplace_backward``, checked: a bool, and only for logits that a model computed."""
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r:.80}")
+    if inplace_backward and logits.requires_grad and logits.is_leaf:
+        raise ValueError(
+            "inplace_backward=True needs logits that a model computed (a non-leaf tensor): a "
+            "leaf's gradient goes to its own .grad buffer anyway, and its values would be lost; "
+            "pass inplace_backward=False"
+        )
+    return inplace_backward
+
+
 def check_token_ids(ids: torch.Tensor, name: str) -> None:
     """``ids`` must be an int64/int32 tensor: gather and index_select take nothing else."""
     if not isinstance(ids, torch.Tensor):

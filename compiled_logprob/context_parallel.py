@@ -137,7 +137,7 @@ def check_ids(tensor: torch.Tensor, input_ids: torch.Tensor, name: str) -> None:
 
 def logits_local_fn(
     logits, input_ids, *, vocab_start, group, chunk_size, ignore_index, top_k, top_p,
-    return_entropy,
+    return_entropy, inplace_backward,
 ):
     """The local log-probs of validated ``logits``: ``fn(target, *, temperature,
     return_entropy)`` for this rank's targets ``[..., L]``, the ``local_fn`` of
@@ -149,10 +149,11 @@ def logits_local_fn(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
     filtering = _validation.filter_options(top_k, top_p, logits.shape[-1], opts, group, return_entropy)
+    _validation.check_inplace_backward(logits, inplace_backward)
 
     def local_fn(target, *, temperature, return_entropy):
         return _logits._token_logprobs(
-            logits, target, opts, temperature, return_entropy, filtering
+            logits, target, opts, temperature, return_entropy, filtering, inplace_backward
         )
 
     return local_fn
@@ -253,6 +254,7 @@ def context_parallel_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -272,6 +274,7 @@ def context_parallel_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -291,6 +294,7 @@ def context_parallel_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -310,6 +314,7 @@ def context_parallel_logprobs(
     next_token: bool = True,
     top_k: int | None = None,
     top_p: float = 1.0,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of TP×CP-sharded logits, fp32 ``[..., S - 1]`` in natural order.
 
@@ -340,6 +345,8 @@ def context_parallel_logprobs(
             above, the output's shape included, is ``[..., S]``.
         top_k, top_p: log-probs under the top-k/top-p filtered distribution, as in
             :func:`compiled_logprob.token_logprobs` (not with ``return_entropy``).
+        inplace_backward: the backward writes the logits' gradient into their own storage,
+            as in :func:`compiled_logprob.token_logprobs`.
 
     One all-gather of ``[..., L]`` fp32 log-probs (``[2, ..., L]`` with the entropy) over CP
     forward, one reduce-scatter backward; a rank's logits receive the sum over CP ranks of
@@ -349,6 +356,7 @@ def context_parallel_logprobs(
     local_fn = logits_local_fn(
         logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
         ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
+        inplace_backward=inplace_backward,
     )
     return cp_logprobs(
         local_fn,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from compiled_logprob import _agreement, context_parallel
+from compiled_logprob import _agreement, _validation, context_parallel
 from compiled_logprob._math import layout
 
 __all__ = ["dtensor_logprobs", "vocab_shard_bounds"]
@@ -171,6 +171,7 @@ def dtensor_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -187,6 +188,7 @@ def dtensor_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -203,6 +205,7 @@ def dtensor_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -219,6 +222,7 @@ def dtensor_logprobs(
     next_token: bool = True,
     top_k: int | None = None,
     top_p: float = 1.0,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of DTensor logits, fp32 ``[B, S - 1]`` in natural order.
 
@@ -233,9 +237,9 @@ def dtensor_logprobs(
             (under CP it must be one: its mesh gives the CP group).
         seq_index: ``[S]`` natural position of each CP-ordered position; required under CP.
         chunk_size: as in :func:`compiled_logprob.token_logprobs`.
-        ignore_index, temperature, return_entropy, next_token, top_k, top_p: as in
-            :func:`compiled_logprob.context_parallel_logprobs` (a plain tensor
-            ``temperature`` in natural order); with ``return_entropy``, returns
+        ignore_index, temperature, return_entropy, next_token, top_k, top_p,
+            inplace_backward: as in :func:`compiled_logprob.context_parallel_logprobs` (a
+            plain tensor ``temperature`` in natural order); with ``return_entropy``, returns
             ``(logprobs, entropy)``. ``top_k``/``top_p`` need ``V`` divisible by the TP size.
 
     A vocabulary split that leaves a TP rank no slice (V = 9 over 4 ranks: 3, 3, 3, 0) is a
@@ -243,6 +247,8 @@ def dtensor_logprobs(
     """
     start, _ = vocab_shard_bounds(logits)
     _check_no_empty_vocab_slice(logits)
+    # On the DTensor: its local tensor is never a leaf.
+    _validation.check_inplace_backward(logits, inplace_backward)
     tp_group = logits.device_mesh.get_group("tp")
     if (top_k is not None or top_p != 1) and logits.shape[-1] % tp_group.size():
         # Every rank sees this (a per-rank check of its own bounds would leave the ranks
@@ -264,4 +270,5 @@ def dtensor_logprobs(
         next_token=next_token,
         top_k=top_k,
         top_p=top_p,
+        inplace_backward=inplace_backward,
     )

@@ -189,14 +189,7 @@ def token_logprobs(
         vocab_start=vocab_start, group=group, chunk_size=chunk_size, ignore_index=ignore_index
     )
     filtering = _validation.filter_options(top_k, top_p, logits.shape[-1], opts, group, return_entropy)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r:.80}")
-    if inplace_backward and logits.requires_grad and logits.is_leaf:
-        raise ValueError(
-            "inplace_backward=True needs logits that a model computed (a non-leaf tensor): a "
-            "leaf's gradient goes to its own .grad buffer anyway, and its values would be lost; "
-            "pass inplace_backward=False"
-        )
+    _validation.check_inplace_backward(logits, inplace_backward)
     return finish(
         _token_logprobs(logits, target, opts, temperature, return_entropy, filtering, inplace_backward)
     )

@@ -89,6 +89,7 @@ def packed_context_parallel_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -109,6 +110,7 @@ def packed_context_parallel_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -129,6 +131,7 @@ def packed_context_parallel_logprobs(
     next_token: bool = ...,
     top_k: int | None = ...,
     top_p: float = ...,
+    inplace_backward: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -149,6 +152,7 @@ def packed_context_parallel_logprobs(
     next_token: bool = True,
     top_k: int | None = None,
     top_p: float = 1.0,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs of a packed (THD) TP×CP-sharded row, as fp32 ``[B, max_seqlen - 1]``.
 
@@ -165,7 +169,7 @@ def packed_context_parallel_logprobs(
             on the device: its values are checked there and never read by the host.
         max_seqlen: the unpacked length; the output has ``max_seqlen - 1`` columns.
         vocab_start, group, cp_group, chunk_size, ignore_index, return_entropy, top_k,
-            top_p: as in :func:`context_parallel_logprobs`.
+            top_p, inplace_backward: as in :func:`context_parallel_logprobs`.
         temperature: a float, or a tensor that broadcasts to the output
             ``[B, max_seqlen - 1]`` (e.g. ``[B, 1]``, one per sequence).
         next_token: ``False`` scores each sequence's token t at its position t (as in
@@ -178,6 +182,7 @@ def packed_context_parallel_logprobs(
     local_fn = context_parallel.logits_local_fn(
         logits, input_ids, vocab_start=vocab_start, group=group, chunk_size=chunk_size,
         ignore_index=ignore_index, top_k=top_k, top_p=top_p, return_entropy=return_entropy,
+        inplace_backward=inplace_backward,
     )
     return packed_cp_logprobs(
         local_fn,

@@ -134,7 +134,7 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         )
     local_fn = context_parallel.logits_local_fn(
         vocab_parallel_logits, target, vocab_start=start, group=group, chunk_size=chunk_size,
-        ignore_index=None, return_entropy=False, **sampling,
+        ignore_index=None, return_entropy=False, inplace_backward=False, **sampling,
     )
     result = packed.packed_cp_logprobs(
         local_fn,
