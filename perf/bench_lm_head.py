@@ -14,7 +14,13 @@ measures the hidden-state path's options against the logits path doing the same:
   the logits path on an fp32 LM head's logits (``hidden.float() @ weight.float().T``) and
   against ``lm_head`` in bf16;
 * ``cross_entropy``: ``lm_head_cross_entropy`` against ``vocab_parallel_cross_entropy`` of
-  both models' logits, a frozen teacher of the same shapes.
+  both models' logits, a frozen teacher of the same shapes;
+* ``cce``: against Apple cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile")``
+  (the peer a CPU user would pick; the optional ``peers`` extra), warmed up (compiled) by
+  one step first.
+
+``--forward`` measures the forward alone (no autograd graph: the old-policy and reference
+passes).
 
 Both produce the gradients of the hidden states and the weight. Each configuration runs in a
 fresh subprocess: the peak resident memory of the first training step is measured over the
@@ -47,8 +53,14 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FILTER = {"top_k": 50, "top_p": 0.9}
 
 
-def _step(method: str, hidden, weight, target, chunk: int | None, topk: int, variant: str) -> None:
+def _step(
+    method: str, hidden, weight, target, chunk: int | None, topk: int, variant: str, forward: bool
+) -> None:
     import compiled_logprob as cl
+
+    if forward:
+        with torch.no_grad():
+            return _step(method, hidden, weight, target, chunk, topk, variant, False)
 
     if variant == "filtered":
         if method == "logits":
@@ -62,6 +74,10 @@ def _step(method: str, hidden, weight, target, chunk: int | None, topk: int, var
         else:
             dtype = torch.float32 if method == "lm_head" else None  # "lm_head bf16"
             logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk, logits_dtype=dtype)
+    elif variant == "cce" and method == "logits":
+        from cut_cross_entropy import linear_cross_entropy
+
+        logprobs = -linear_cross_entropy(hidden, weight, target, reduction="none", impl="torch_compile")
     elif variant == "cross_entropy":
         teacher_hidden, teacher_weight = hidden.detach() * 0.5, weight.detach().flip(0)
         if method == "logits":
@@ -77,7 +93,8 @@ def _step(method: str, hidden, weight, target, chunk: int | None, topk: int, var
         logprobs = cl.token_logprobs(hidden @ weight.T, target)
     else:
         logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk)
-    logprobs.sum().backward()
+    if logprobs.requires_grad:
+        logprobs.sum().backward()
 
 
 def measure(
@@ -90,21 +107,26 @@ def measure(
     steps: int,
     topk: int,
     variant: str = "plain",
+    forward: bool = False,
 ) -> dict:
-    """Runs in the subprocess: peak memory of the first step, median time of ``steps``."""
+    """Runs in the subprocess: peak memory of the first step (after a warm-up step for a
+    compiled peer), median time of ``steps``."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if variant == "fp32_logits" else torch.float32
     hidden = torch.randn(batch, seq, hidden_size, generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).requires_grad_()
     target = torch.randint(0, vocab, (batch, seq), generator=gen)
     times = []
+    args = (method, hidden, weight, target, chunk, topk, variant, forward)
+    if variant == "cce" and method == "logits":
+        _step(*args)
     for step in range(steps):
         hidden.grad = weight.grad = None
         if step == 0:
             reset_peak_rss()
             baseline = rss_kib("VmRSS")
         start = time.perf_counter()
-        _step(method, hidden, weight, target, chunk, topk, variant)
+        _step(*args)
         times.append(time.perf_counter() - start)
         if step == 0:
             peak = rss_kib("VmHWM") - baseline
@@ -114,7 +136,10 @@ def measure(
 def _run_fresh(config: dict) -> dict:
     code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); " \
         f"from bench_lm_head import measure; print(json.dumps(measure(**{config!r})))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    # A fixed mmap threshold returns freed large buffers to the system, so that a warm-up
+    # step's pages are not reused unseen by the measured one.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -123,6 +148,7 @@ TITLES = {
     "filtered": "Top-k/top-p filtered log-probs (top_k=50, top_p=0.9)",
     "fp32_logits": "Log-probs with fp32 logits from a bf16 LM head",
     "cross_entropy": "Distillation cross-entropy of two models",
+    "cce": "Token log-probs against cut-cross-entropy",
 }
 
 
@@ -136,12 +162,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--topk", type=int, default=0, help="score the top K instead of a target")
     parser.add_argument("--variant", choices=sorted(TITLES), default="plain")
+    parser.add_argument("--forward", action="store_true", help="the forward alone, no autograd")
     args = parser.parse_args()
     shape = dict(
         batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, steps=args.steps,
-        topk=args.topk, variant=args.variant,
+        topk=args.topk, variant=args.variant, forward=args.forward,
     )
-    rows = [("logits path", _run_fresh(dict(shape, method="logits", chunk=None)))]
+    base_name = "cut-cross-entropy torch_compile" if args.variant == "cce" else "logits path"
+    rows = [(base_name, _run_fresh(dict(shape, method="logits", chunk=None)))]
     for chunk in args.chunks:
         result = _run_fresh(dict(shape, method="lm_head", chunk=chunk or None))
         rows.append((f"lm_head chunk={chunk or 'default'}", result))
@@ -150,7 +178,8 @@ def main() -> None:
     base = rows[0][1]
     title = TITLES[args.variant] or f"{f'Top-{args.topk}' if args.topk else 'Token'} log-probs"
     lines = [
-        f"# {title} from hidden states vs the logits path (CPU, forward + backward)",
+        f"# {title} from hidden states vs the {base_name} (CPU, "
+        f"{'forward' if args.forward else 'forward + backward'})",
         "",
         f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}] "
         f"({'bf16' if args.variant == 'fp32_logits' else 'fp32'}), "
@@ -159,7 +188,7 @@ def main() -> None:
         f"{args.steps} steps, matmuls included.",
         "",
         machine_header("cpu"),
-        "| method | peak MiB | × logits path | step s | × logits path |",
+        f"| method | peak MiB | × {base_name} | step s | × {base_name} |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in rows:
@@ -169,7 +198,8 @@ def main() -> None:
         )
     report = "\n".join(lines) + "\n"
     os.makedirs(RESULTS, exist_ok=True)
-    name = f"lm_head_{args.variant}.md" if args.variant != "plain" else "lm_head_topk.md" if args.topk else "lm_head.md"
+    name = f"lm_head_{args.variant}" if args.variant != "plain" else "lm_head_topk" if args.topk else "lm_head"
+    name += "_forward.md" if args.forward else ".md"
     with open(os.path.join(RESULTS, name), "w") as out:
         out.write(report)
     print(report)

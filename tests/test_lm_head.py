@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
+from compiled_logprob._ops import lm_head as lm_head_ops
 from compiled_logprob.lm_head import lm_head_token_logprobs, lm_head_topk
 from compiled_logprob.lm_head_context_parallel import (
     lm_head_context_parallel_logprobs,
@@ -91,6 +92,53 @@ def test_tensor_parallel_matches_oracle(gloo_pool, world, case):
     want = lm_head_oracle(case)
     for rank, got in enumerate(gloo_pool(world).run(_worker_run, case)):
         check_lm_head(case, got, want, rank, world)
+
+
+# --- Tiles cut into blocks of the vocabulary (several per chunk of positions) ---
+
+BLOCK_CASES = [
+    Case(vocab=3 * 1024 + 100, chunk=None),
+    Case(vocab=3 * 1024 + 100, dtype="bf16", ignore=True, temperature="rows", chunk=3),
+    Case(vocab=2 * 1024 + 1, k=2, temperature="positions", chunk=None, scale=1000.0),
+    Case(vocab=2 * 1024 + 1, fp32_logits=True, dtype="bf16", ignore=True, chunk=None),
+]
+
+
+def _run_in_blocks(case: Case, rank: int, world: int, group, tile_elements: int):
+    """:func:`run_lm_head` with tiles of ``tile_elements``: a small number cuts each chunk
+    into blocks of whole ``TILE_WIDTH`` tiles of the vocabulary."""
+    default, lm_head_ops.TILE_ELEMENTS = lm_head_ops.TILE_ELEMENTS, tile_elements
+    try:
+        with no_host_syncs():
+            return run_lm_head(case, rank, world, group)
+    finally:
+        lm_head_ops.TILE_ELEMENTS = default
+
+
+def _worker_blocks(case: Case):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [_run_in_blocks(case, rank, world, dist.group.WORLD, n) for n in (4096, 1 << 30)]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=case_id)
+def test_vocabulary_blocks_match_whole_rows_and_the_oracle(case):
+    """Blocks give the log-probs and entropy of whole rows bit for bit (the same tiles,
+    reduced in the same order) and gradients within the oracle's bounds."""
+    blocks = _run_in_blocks(case, 0, 1, None, 4096)
+    whole = _run_in_blocks(case, 0, 1, None, 1 << 30)
+    for name in ("lp", "ent"):
+        assert torch.equal(blocks[name], whole[name]), name
+    check_lm_head(case, blocks, lm_head_oracle(case), 0, 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocabulary_blocks_over_tensor_parallel(gloo_pool, world):
+    case = BLOCK_CASES[1]
+    want = lm_head_oracle(case)
+    for rank, (blocks, whole) in enumerate(gloo_pool(world).run(_worker_blocks, case)):
+        for name in ("lp", "ent"):
+            assert torch.equal(blocks[name], whole[name]), name
+        check_lm_head(case, blocks, want, rank, world)
 
 
 # --- lm_head_topk: the top k of each position, scored like K ids ---

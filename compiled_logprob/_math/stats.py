@@ -60,6 +60,18 @@ def with_rows(per_tile: torch.Tensor, targets: torch.Tensor | None) -> LocalStat
     return LocalStats(torch.cat(rows if targets is None else [*rows, targets], dim=-1), per_tile)
 
 
+def join_columns(blocks: list[LocalStats]) -> LocalStats:
+    """The :class:`LocalStats` of a shard from those of its blocks of ids, in order, each
+    starting at a multiple of ``tiles.TILE_WIDTH`` from the shard's first id: the whole
+    shard's, bit for bit (its tiles are the blocks' tiles; each target's logit and
+    ownership come from the one block that owns it, the others adding zeros)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    rows = torch.stack([block.rows for block in blocks])
+    joined = torch.cat([rows[..., :1].amax(0), rows[..., 1:].sum(0)], dim=-1)
+    return LocalStats(joined, torch.cat([block.tiles for block in blocks], dim=-2))
+
+
 def tile_stats(
     logits: torch.Tensor,
     *,

@@ -3,25 +3,26 @@ states, the logits never materialised.
 
 * ``lm_head_stats(hidden, weight, target, temperature, *, vocab_start, group_name,
   ignore_index, chunk_size, with_entropy, topk, sequence_parallel, logits_dtype) -> Stats``:
-  per sequence chunk, the logits tile ``z = hidden @ weight.T / temperature`` (the product
-  in ``logits_dtype``; ``temperature`` fp32 ``[B, S]``, or ``None`` for 1), its per-row
-  statistics and the logits of the targets ``[B, S, K]`` or, with ``topk``
-  > 0 (and no target), of this shard's top ``topk``; one all-gather of the ``[B, S, F]``
-  statistics of the whole call over the TP group. The outputs are the logits op's
-  (``_math.merge.Stats``).
+  per tile (a chunk of positions and a block of the vocabulary, :func:`tiles`), the logits
+  ``z = hidden @ weight.T / temperature`` (the product in ``logits_dtype``; ``temperature``
+  fp32 ``[B, S]``, or ``None`` for 1), their per-row statistics and the logits of the
+  targets ``[B, S, K]`` or, with ``topk`` > 0 (and no target), of this shard's top
+  ``topk``; one all-gather of the ``[B, S, F]`` statistics of the whole call over the TP
+  group. The outputs are the logits op's (``_math.merge.Stats``).
 * ``lm_head_stats_backward``: recomputes each tile, forms its gradient with
-  ``_math.grad.grad_logits`` and accumulates ``grad_hidden`` (chunk by chunk) and ``grad_weight``
-  (summed over chunks in fp32); ``grad_hidden`` is then all-reduced over the TP group,
-  because every rank's part covers only its vocabulary slice of the replicated hidden states
-  (with ``sequence_parallel`` it is not: the hidden states are a differentiable all-gather of
-  sequence shards, whose backward reduce-scatters the parts instead). With a ``threshold``
-  (``lm_head_filtered``), of the filtered softmax.
-  Only the gradients that autograd asks for are formed (the other is an empty tensor): a
-  frozen LM head costs no fp32 ``[V_local, H]`` buffer and no second matmul per chunk.
+  ``_math.grad.grad_logits`` and accumulates ``grad_hidden`` (over a chunk's blocks, in
+  fp32) and ``grad_weight`` (each block its own rows, summed over chunks in fp32);
+  ``grad_hidden`` is then all-reduced over the TP group, because every rank's part covers
+  only its vocabulary slice of the replicated hidden states (with ``sequence_parallel`` it
+  is not: the hidden states are a differentiable all-gather of sequence shards, whose
+  backward reduce-scatters the parts instead). With a ``threshold`` (``lm_head_filtered``),
+  of the filtered softmax. Only the gradients that autograd asks for are formed (the other
+  is an empty tensor): a frozen LM head costs no fp32 ``[V_local, H]`` buffer and no second
+  matmul per tile.
 
-Both stay opaque to the compiler (no decomposition), so their loops over chunks never unroll
-into the graph and no ``[B, S, V_local]`` tensor exists anywhere: temporaries are
-``O(B · chunk · V_local)`` fp32.
+Both stay opaque to the compiler (no decomposition), so their loops over tiles never unroll
+into the graph and no ``[B, S, V_local]`` tensor exists anywhere: temporaries are a few
+tiles of fp32.
 
 Shape legend: ``B`` batch, ``S`` sequence, ``H`` hidden size, ``V_local`` this rank's
 vocabulary slice, ``R`` ranks of the vocab-parallel group, ``F`` statistics per row.
@@ -36,23 +37,25 @@ import torch
 from compiled_logprob import _comm
 from compiled_logprob._math import grad as _grad
 from compiled_logprob._math import matmul, merge, stats
+from compiled_logprob._math import tiles as _tiles
 from compiled_logprob._math import topk as _topk
 from compiled_logprob._math.kernels import Eager, block_rows
 from compiled_logprob._math.merge import Stats
 
-# Default chunk: positions such that one fp32 logits tile holds about this many elements
-# (64 MiB); a handful of tile-sized temporaries then stay far below the logits path's peak
-# while each chunk's matmul is still large enough to run at full speed.
+# Default tile: about this many elements (64 MiB in fp32), so that a handful of tile-sized
+# temporaries stay far below the logits path's peak.
 TILE_ELEMENTS = 1 << 24
 
 
 class Tile(NamedTuple):
-    """One chunk of positions, with its views of the buffers that every chunk reuses."""
+    """One chunk of positions and one block of this shard's vocabulary, with its views of
+    the buffers that every tile reuses."""
 
     rows: slice
-    logits: torch.Tensor  # [B, c, V_local], logits_dtype
-    workspace: torch.Tensor | None  # [B, c, V_local] fp32
-    spare: torch.Tensor | None  # [B, c, V_local] fp32, for a second temporary
+    cols: slice  # of the shard's ids, starting at a multiple of tiles.TILE_WIDTH
+    logits: torch.Tensor  # [B, c, w], logits_dtype
+    workspace: torch.Tensor | None  # [B, c, w] fp32
+    spare: torch.Tensor | None  # [B, c, w] fp32, for a second temporary
 
 
 def tiles(
@@ -63,33 +66,50 @@ def tiles(
     spare: bool,
     logits_dtype: torch.dtype,
     workspace: bool = True,
+    whole_rows: bool = True,
 ) -> list[Tile]:
-    """The chunks of sequence positions, each with its ``[B, c, V_local]`` views of buffers
-    that every chunk reuses: the logits tile (``logits_dtype``), an fp32 ``workspace`` and
-    an fp32 ``spare`` (the entropy's second temporary) when asked for. Fresh tile-sized
-    temporaries would fault their pages in for every chunk."""
+    """The tiles of ``hidden @ weight.T``, chunks of positions (row-major) each with its
+    ``[B, c, w]`` views of buffers that every tile reuses: the logits tile
+    (``logits_dtype``), an fp32 ``workspace`` and an fp32 ``spare`` (the entropy's second
+    temporary) when asked for. Fresh tile-sized temporaries would fault their pages in for
+    every tile.
+
+    ``whole_rows``: each tile spans the shard's vocabulary (filtering and top-k need whole
+    rows). Otherwise a chunk holds all positions (up to ``chunk_size``) and is cut into
+    blocks of whole ``TILE_WIDTH`` tiles: a matmul of many rows against a block of the
+    weight runs at full speed, where a few rows against all of it stream the whole weight
+    for each chunk (docs/design.md, "Tiles of the LM head")."""
     batch, seq_len, _ = hidden.shape
     vocab = weight.shape[0]
-    if chunk_size is None:
-        chunk_size = max(1, TILE_ELEMENTS // max(1, batch * vocab))
-    tile_elements = batch * min(chunk_size, max(seq_len, 1)) * vocab
+    if whole_rows:
+        chunk_size = chunk_size or max(1, TILE_ELEMENTS // max(1, batch * vocab))
+        width = vocab
+    else:
+        chunk_size = chunk_size or max(1, TILE_ELEMENTS // max(1, batch * _tiles.TILE_WIDTH))
+        rows = batch * min(chunk_size, max(seq_len, 1))
+        width = TILE_ELEMENTS // max(1, rows) // _tiles.TILE_WIDTH * _tiles.TILE_WIDTH
+        width = min(vocab, max(_tiles.TILE_WIDTH, width))
+    tile_elements = batch * min(chunk_size, max(seq_len, 1)) * width
     logits = hidden.new_empty(tile_elements, dtype=logits_dtype)
     fp32 = hidden.new_empty((workspace + spare) * tile_elements, dtype=torch.float32)
 
-    def view(buffer: torch.Tensor, positions: int, index: int = 0) -> torch.Tensor:
+    def view(buffer: torch.Tensor, positions: int, ids: int, index: int = 0) -> torch.Tensor:
         start = index * tile_elements
-        return buffer[start : start + batch * positions * vocab].view(batch, positions, vocab)
+        return buffer[start : start + batch * positions * ids].view(batch, positions, ids)
 
     chunks = []
-    # At least one (possibly empty) chunk: an empty sequence still joins the collective.
+    # At least one (possibly empty) tile: an empty sequence still joins the collective.
     for start in range(0, max(seq_len, 1), chunk_size):
         n = max(0, min(chunk_size, seq_len - start))
-        chunks.append(Tile(
-            slice(start, start + chunk_size),
-            view(logits, n),
-            view(fp32, n) if workspace else None,
-            view(fp32, n, int(workspace)) if spare else None,
-        ))
+        for first in range(0, max(vocab, 1), max(width, 1)):
+            ids = min(width, vocab - first)
+            chunks.append(Tile(
+                slice(start, start + chunk_size),
+                slice(first, first + ids),
+                view(logits, n, ids),
+                view(fp32, n, ids) if workspace else None,
+                view(fp32, n, ids, int(workspace)) if spare else None,
+            ))
     return chunks
 
 
@@ -121,21 +141,28 @@ def lm_head_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (target is None) == (topk > 0), "the top-k are the targets"
     weight = weight.to(logits_dtype)  # upcast once for every tile, when the logits are wider
-    rows, per_tile = [], []
-    chunks = tiles(hidden, weight, chunk_size, spare=with_entropy, logits_dtype=logits_dtype)
+    chunks = tiles(
+        hidden, weight, chunk_size, spare=with_entropy, logits_dtype=logits_dtype,
+        whole_rows=topk > 0,
+    )
+    blocks: dict[int, list[stats.LocalStats]] = {}  # each chunk's, by its first position
     for tile in chunks:
-        logits = logits_tile(hidden[:, tile.rows], weight, tile.logits)
+        logits = logits_tile(hidden[:, tile.rows], weight[tile.cols], tile.logits)
         local = stats.local_stats(
             logits,
             block_rows(target, tile.rows),
-            vocab_start,
+            vocab_start + tile.cols.start,
             temperature=block_rows(temperature, tile.rows),
             with_entropy=with_entropy,
             ops=Eager(tile.workspace, tile.spare),
         )
-        candidates = [_topk.topk_stats(logits, topk, vocab_start)] if topk else []
-        rows.append(torch.cat([local.rows, *candidates], dim=-1))
-        per_tile.append(local.tiles)
+        if topk:
+            candidates = _topk.topk_stats(logits, topk, vocab_start)
+            local = stats.LocalStats(torch.cat([local.rows, candidates], dim=-1), local.tiles)
+        blocks.setdefault(tile.rows.start, []).append(local)
+    joined = [stats.join_columns(chunk) for chunk in blocks.values()]
+    rows = [chunk.rows for chunk in joined]
+    per_tile = [chunk.tiles for chunk in joined]
     result = merge.exchange_stats(
         stats.LocalStats(torch.cat(rows, dim=1), torch.cat(per_tile, dim=1)),
         target,
@@ -180,23 +207,25 @@ def lm_head_stats_backward(
     saved = _grad.RowStats(shift, log_norm, temperature, entropy, threshold)
     head = HeadGrads(hidden, weight, logits_dtype, needs_grad_hidden, needs_grad_weight)
     weight = head.weight  # in the logits' dtype
+    # Every entry's gradient needs only its row's saved statistics: blocks of the vocabulary.
     chunks = tiles(
-        hidden, weight, chunk_size, spare=grad_entropy is not None, logits_dtype=logits_dtype
+        hidden, weight, chunk_size, spare=grad_entropy is not None, logits_dtype=logits_dtype,
+        whole_rows=False,
     )
     for tile in chunks:
         rows = tile.rows
         grad = _grad.grad_logits(
             grads.block(rows),
             saved.block(rows),
-            logits_tile(hidden[:, rows], weight, tile.logits),
+            logits_tile(hidden[:, rows], weight[tile.cols], tile.logits),
             target[:, rows],
-            vocab_start,
+            vocab_start + tile.cols.start,
             ignore_index,
             ops=Eager(tile.workspace, tile.spare),
         )
         if grad.dtype != logits_dtype:
             grad = tile.logits.copy_(grad)  # rounded once, into the tile: its logits are spent
-        head.accumulate(grad, rows)
+        head.accumulate(grad, tile)
     return head.results(group_name, sequence_parallel)
 
 
@@ -223,13 +252,26 @@ class HeadGrads:
         mixed = needs_weight and logits_dtype != torch.float32
         self.product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
 
-    def accumulate(self, gradient: torch.Tensor, rows: slice) -> None:
-        """Adds the chunk ``rows``' logits gradient ``[B, c, V_local]``."""
-        flat = gradient.flatten(0, 1)
+    def accumulate(self, gradient: torch.Tensor, tile: Tile) -> None:
+        """Adds ``tile``'s logits gradient ``[B, c, w]``: tiles come row-major, each chunk's
+        vocabulary blocks in order."""
+        flat, rows, cols = gradient.flatten(0, 1), tile.rows, tile.cols
         if self.needs_hidden:
-            self.grad_hidden[:, rows] = matmul.mm(flat, self.weight).unflatten(0, gradient.shape[:2])
+            part = matmul.mm(flat, self.weight[cols]).unflatten(0, gradient.shape[:2])
+            first, last = cols.start == 0, cols.stop >= self.weight.shape[0]
+            if first and last:
+                self.grad_hidden[:, rows] = part
+            else:  # summed over the chunk's blocks in fp32, then rounded once
+                if first:
+                    self.hidden_sum = part.float()
+                else:
+                    self.hidden_sum += part
+                if last:
+                    self.grad_hidden[:, rows] = self.hidden_sum
         if self.needs_weight:
-            matmul.add_mm(self.grad_weight, flat.T, self.hidden[:, rows].flatten(0, 1), self.product)
+            product = None if self.product is None else self.product[cols]
+            hidden = self.hidden[:, rows].flatten(0, 1)
+            matmul.add_mm(self.grad_weight[cols], flat.T, hidden, product)
 
     def results(self, group_name: str | None, sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(grad_hidden, grad_weight)``: the hidden states' all-reduced over the TP group,

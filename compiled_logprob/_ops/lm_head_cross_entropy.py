@@ -122,7 +122,7 @@ def lm_head_cross_entropy_backward(
             )
             if gradient.dtype != into.dtype:
                 gradient = into.copy_(gradient)  # rounded once, into a spent tile
-            side.accumulate(gradient, rows)
+            side.accumulate(gradient, tile)
     (grad_hidden, grad_weight), (grad_teacher_hidden, grad_teacher_weight) = (
         side.results(group_name, sequence_parallel) for side in sides
     )
