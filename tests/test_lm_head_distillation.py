@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
+from compiled_logprob._ops import lm_head as lm_head_ops
 from compiled_logprob.testing.reference import vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -148,6 +149,40 @@ def test_cross_entropy_tensor_parallel_matches_oracle(gloo_pool, world, case):
     want = _ce_oracle(case)
     for rank, got in enumerate(gloo_pool(world).run(_worker_ce, case)):
         _check_ce(case, got, want, rank, world)
+
+
+# Several blocks of the vocabulary per chunk (a tiny TILE_ELEMENTS): 3074 ids in blocks of
+# 1024 (the last of 2), over TP 3 1025, 1025 and 1024 ids: two blocks, two, and one.
+BLOCK_CASES = [
+    CECase(vocab=3 * 1024 + 2, chunk=None, train_teacher=True, temperature="positions"),
+    CECase(vocab=3 * 1024 + 100, dtype="bf16", teacher_dtype="bf16", chunk=5, scale=30.0),
+]
+
+
+def _run_ce_in_blocks(case: CECase, rank: int, world: int, group):
+    default, lm_head_ops.TILE_ELEMENTS = lm_head_ops.TILE_ELEMENTS, 4096
+    try:
+        with no_host_syncs():
+            return _run_ce(case, rank, world, group)
+    finally:
+        lm_head_ops.TILE_ELEMENTS = default
+
+
+def _worker_ce_blocks(case: CECase):
+    return _run_ce_in_blocks(case, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=case_id)
+def test_cross_entropy_in_vocabulary_blocks_matches_oracle(case):
+    _check_ce(case, _run_ce_in_blocks(case, 0, 1, None), _ce_oracle(case), 0, 1)
+
+
+def test_cross_entropy_in_vocabulary_blocks_over_tensor_parallel(gloo_pool):
+    """Ranks with different numbers of blocks still gather one ``[B, S, 5]`` each."""
+    case = BLOCK_CASES[0]
+    want = _ce_oracle(case)
+    for rank, got in enumerate(gloo_pool(3).run(_worker_ce_blocks, case)):
+        _check_ce(case, got, want, rank, 3)
 
 
 def test_cross_entropy_matches_the_logits_path():

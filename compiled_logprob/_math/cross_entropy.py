@@ -86,6 +86,21 @@ def cross_entropy_stats(
     return torch.cat([x_max, total, y_max, target_total, gaps * ops.unit], dim=-1)
 
 
+def merge_blocks(blocks: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """A shard's :func:`cross_entropy_stats` ``[B, S, 5]`` from those of its blocks of ids
+    ``[P, B, S, 5]``: each block's sums rescaled to the shard's maxima, as
+    :func:`exchange_cross_entropy` merges ranks' (every rank then gathers one ``[B, S, 5]``,
+    whatever its number of blocks)."""
+    inverse_t: float | torch.Tensor = 1.0 if temperature is None else 1.0 / temperature
+    _, mass, _ = common_shift(blocks[..., 0], blocks[..., 1], inverse_t)
+    _, target_mass, target_factor = common_shift(blocks[..., 2], blocks[..., 3], inverse_t)
+    shift = finite_or_zero(blocks[..., 0].amax(0))
+    climb = (shift - finite_or_zero(blocks[..., 0])) * inverse_t
+    gaps = blocks[..., 4] * target_factor + torch.where(target_mass == 0, 0.0, target_mass * climb)
+    maxima = [blocks[..., 0].amax(0), blocks[..., 2].amax(0)]
+    return torch.stack([maxima[0], mass.sum(0), maxima[1], target_mass.sum(0), gaps.sum(0)], dim=-1)
+
+
 def exchange_cross_entropy(
     stats: torch.Tensor, group_name: str | None, temperature: torch.Tensor | None
 ) -> CrossEntropyStats:

@@ -4,9 +4,10 @@ both models' hidden states and LM-head slices, neither's logits materialised.
 
 * ``lm_head_cross_entropy_stats(hidden, weight, teacher_hidden, teacher_weight, temperature,
   *, group_name, chunk_size, sequence_parallel, logits_dtype, teacher_logits_dtype) ->
-  CrossEntropyStats``: per sequence chunk, both models' logits tiles (``_ops.lm_head``), their
-  ``[B, c, 5]`` statistics; one all-gather of ``[B, S, 5]`` for the call.
-* ``lm_head_cross_entropy_backward``: recomputes both tiles per chunk, forms the gradient of
+  CrossEntropyStats``: per tile (a chunk of positions and a block of the vocabulary), both
+  models' logits (``_ops.lm_head``) and their ``[B, c, 5]`` statistics, a chunk's blocks
+  merged as ranks' are; one all-gather of ``[B, S, 5]`` for the call.
+* ``lm_head_cross_entropy_backward``: recomputes both tiles, forms the gradient of
   either model's logits (``_math.cross_entropy.grad_cross_entropy``) and accumulates that
   model's hidden-state and weight gradients; the hidden states' are then all-reduced over the
   TP group (each rank's part covers its vocabulary slice), unless ``sequence_parallel``
@@ -18,6 +19,8 @@ vocabulary slice.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -43,22 +46,36 @@ def lm_head_cross_entropy_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Each weight upcast once for every tile, when its logits are wider.
     weight, teacher_weight = weight.to(logits_dtype), teacher_weight.to(teacher_logits_dtype)
-    student = tiles(hidden, weight, chunk_size, spare=True, logits_dtype=logits_dtype)
-    teacher = tiles(
-        teacher_hidden, teacher_weight, chunk_size, spare=False, workspace=False,
-        logits_dtype=teacher_logits_dtype,
+    student, teacher = _tiles(
+        hidden, weight, teacher_hidden, teacher_weight, chunk_size, logits_dtype, teacher_logits_dtype
     )
-    local = [
-        _ce.cross_entropy_stats(
-            logits_tile(hidden[:, tile.rows], weight, tile.logits),
-            logits_tile(teacher_hidden[:, tile.rows], teacher_weight, teacher_tile.logits),
-            block_rows(temperature, tile.rows),
-            ops=Eager(tile.workspace, tile.spare),
-        )
-        for tile, teacher_tile in zip(student, teacher)
-    ]
+    local = []
+    for _, chunk in itertools.groupby(zip(student, teacher, strict=True), key=lambda t: t[0].rows.start):
+        pairs = list(chunk)
+        rows = pairs[0][0].rows
+        blocks = [
+            _ce.cross_entropy_stats(
+                logits_tile(hidden[:, rows], weight[tile.cols], tile.logits),
+                logits_tile(teacher_hidden[:, rows], teacher_weight[tile.cols], teacher_tile.logits),
+                block_rows(temperature, rows),
+                ops=Eager(tile.workspace, tile.spare),
+            )
+            for tile, teacher_tile in pairs
+        ]
+        local.append(_ce.merge_blocks(torch.stack(blocks), block_rows(temperature, rows)))
     result = _ce.exchange_cross_entropy(torch.cat(local, dim=1), group_name, temperature)
     return (*result,)  # the schema's plain tuple, not the NamedTuple
+
+
+def _tiles(hidden, weight, teacher_hidden, teacher_weight, chunk_size, logits_dtype, teacher_logits_dtype):
+    """Both models' tiles, the same chunks and blocks of the vocabulary (``_ops.lm_head``):
+    the statistics and the gradients of a block need only its own ids."""
+    student = tiles(hidden, weight, chunk_size, spare=True, logits_dtype=logits_dtype, whole_rows=False)
+    teacher = tiles(
+        teacher_hidden, teacher_weight, chunk_size, spare=False, workspace=False,
+        logits_dtype=teacher_logits_dtype, whole_rows=False,
+    )
+    return student, teacher
 
 
 @lm_head_cross_entropy_stats.register_fake
@@ -94,20 +111,19 @@ def lm_head_cross_entropy_backward(
         HeadGrads(teacher_hidden, teacher_weight, teacher_logits_dtype, needs[2], needs[3]),
     ]
     weight, teacher_weight = sides[0].weight, sides[1].weight  # in the logits' dtypes
-    student = tiles(hidden, weight, chunk_size, spare=True, logits_dtype=logits_dtype)
-    teacher = tiles(
-        teacher_hidden, teacher_weight, chunk_size, spare=False, workspace=False,
-        logits_dtype=teacher_logits_dtype,
+    student, teacher = _tiles(
+        hidden, weight, teacher_hidden, teacher_weight, chunk_size, logits_dtype, teacher_logits_dtype
     )
     # Both gradients read both tiles: the student's, rounded, needs a buffer of its own.
     both = sides[0].needed and sides[1].needed and logits_dtype != torch.float32
     rounded = tiles(
-        hidden, weight, chunk_size, spare=False, workspace=False, logits_dtype=logits_dtype
+        hidden, weight, chunk_size, spare=False, workspace=False, logits_dtype=logits_dtype,
+        whole_rows=False,
     ) if both else student
-    for tile, teacher_tile, rounded_tile in zip(student, teacher, rounded):
-        rows = tile.rows
-        x = logits_tile(hidden[:, rows], weight, tile.logits)
-        y = logits_tile(teacher_hidden[:, rows], teacher_weight, teacher_tile.logits)
+    for tile, teacher_tile, rounded_tile in zip(student, teacher, rounded, strict=True):
+        rows, cols = tile.rows, tile.cols
+        x = logits_tile(hidden[:, rows], weight[cols], tile.logits)
+        y = logits_tile(teacher_hidden[:, rows], teacher_weight[cols], teacher_tile.logits)
         for side, wrt_target, into in ((sides[0], False, rounded_tile.logits), (sides[1], True, y)):
             if not side.needed:
                 continue
