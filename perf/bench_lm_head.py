@@ -17,16 +17,17 @@ measures the hidden-state path's options against the logits path doing the same:
   both models' logits, a frozen teacher of the same shapes;
 * ``cce``: against Apple cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile")``
   (the peer a CPU user would pick; the optional ``peers`` extra), warmed up (compiled) by
-  one step first.
+  one step first, and the logits path beside it.
 
 ``--forward`` measures the forward alone (no autograd graph: the old-policy and reference
 passes).
 
-Both produce the gradients of the hidden states and the weight. Each configuration runs in a
-fresh subprocess: the peak resident memory of the first training step is measured over the
-resident memory just before it (``VmHWM`` reset through ``/proc/self/clear_refs``), then the
-step time is the median of ``--steps`` steps. Results go to ``perf/results/lm_head.md``
-(``lm_head_topk.md`` with ``--topk``).
+Both produce the gradients of the hidden states and the weight. Each row's peak resident
+memory is that of one step in a fresh subprocess, over the resident memory just before it
+(``VmHWM`` reset through ``/proc/self/clear_refs``). The step times come from one more
+subprocess in which the rows take turns step by step (median of ``--steps``), so that their
+ratios come from one run. Results go to ``perf/results/lm_head.md`` (``lm_head_topk.md``
+with ``--topk``, ``lm_head_{variant}[_forward].md`` otherwise).
 
     python perf/bench_lm_head.py                   # V = 152064, [1, 8192, 256], fp32
     python perf/bench_lm_head.py --hidden 512 --chunks 110 256
@@ -74,7 +75,7 @@ def _step(
         else:
             dtype = torch.float32 if method == "lm_head" else None  # "lm_head bf16"
             logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk, logits_dtype=dtype)
-    elif variant == "cce" and method == "logits":
+    elif method == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
         logprobs = -linear_cross_entropy(hidden, weight, target, reduction="none", impl="torch_compile")
@@ -97,6 +98,15 @@ def _step(
         logprobs.sum().backward()
 
 
+def _inputs(batch: int, seq: int, hidden_size: int, vocab: int, variant: str):
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if variant == "fp32_logits" else torch.float32
+    hidden = torch.randn(batch, seq, hidden_size, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return hidden, weight, target
+
+
 def measure(
     method: str,
     batch: int,
@@ -104,38 +114,45 @@ def measure(
     hidden_size: int,
     vocab: int,
     chunk: int | None,
-    steps: int,
     topk: int,
     variant: str = "plain",
     forward: bool = False,
 ) -> dict:
-    """Runs in the subprocess: peak memory of the first step (after a warm-up step for a
-    compiled peer), median time of ``steps``."""
-    gen = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16 if variant == "fp32_logits" else torch.float32
-    hidden = torch.randn(batch, seq, hidden_size, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).requires_grad_()
-    target = torch.randint(0, vocab, (batch, seq), generator=gen)
-    times = []
+    """Runs in the subprocess: peak memory of one step (after a warm-up step for a compiled
+    peer)."""
+    hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant)
     args = (method, hidden, weight, target, chunk, topk, variant, forward)
-    if variant == "cce" and method == "logits":
+    if method == "cce":
         _step(*args)
-    for step in range(steps):
         hidden.grad = weight.grad = None
-        if step == 0:
-            reset_peak_rss()
-            baseline = rss_kib("VmRSS")
-        start = time.perf_counter()
-        _step(*args)
-        times.append(time.perf_counter() - start)
-        if step == 0:
-            peak = rss_kib("VmHWM") - baseline
-    return {"peak_mib": peak / 1024, "time_s": statistics.median(times)}
+    reset_peak_rss()
+    baseline = rss_kib("VmRSS")
+    _step(*args)
+    return {"peak_mib": (rss_kib("VmHWM") - baseline) / 1024}
 
 
-def _run_fresh(config: dict) -> dict:
+def time_interleaved(
+    methods: list, batch: int, seq: int, hidden_size: int, vocab: int, steps: int, topk: int,
+    variant: str = "plain", forward: bool = False,
+) -> list[float]:
+    """Runs in one subprocess: the median step time of each ``(method, chunk)``, the methods
+    taking turns step by step after a warm-up step each, so that the machine's noise hits
+    them alike and their ratios come from one run."""
+    hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant)
+    times: list[list[float]] = [[] for _ in methods]
+    for step in range(steps + 1):
+        for i, (method, chunk) in enumerate(methods):
+            hidden.grad = weight.grad = None
+            start = time.perf_counter()
+            _step(method, hidden, weight, target, chunk, topk, variant, forward)
+            if step:
+                times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def _run_fresh(function: str, **config) -> dict | list:
     code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); " \
-        f"from bench_lm_head import measure; print(json.dumps(measure(**{config!r})))"
+        f"import bench_lm_head; print(json.dumps(bench_lm_head.{function}(**{config!r})))"
     # A fixed mmap threshold returns freed large buffers to the system, so that a warm-up
     # step's pages are not reused unseen by the measured one.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -165,16 +182,21 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="the forward alone, no autograd")
     args = parser.parse_args()
     shape = dict(
-        batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, steps=args.steps,
-        topk=args.topk, variant=args.variant, forward=args.forward,
+        batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, topk=args.topk,
+        variant=args.variant, forward=args.forward,
     )
     base_name = "cut-cross-entropy torch_compile" if args.variant == "cce" else "logits path"
-    rows = [(base_name, _run_fresh(dict(shape, method="logits", chunk=None)))]
-    for chunk in args.chunks:
-        result = _run_fresh(dict(shape, method="lm_head", chunk=chunk or None))
-        rows.append((f"lm_head chunk={chunk or 'default'}", result))
+    methods = [("logits path", "logits", None)]
+    if args.variant == "cce":
+        methods.insert(0, (base_name, "cce", None))
+    methods += [(f"lm_head chunk={chunk or 'default'}", "lm_head", chunk or None) for chunk in args.chunks]
     if args.variant == "fp32_logits":
-        rows.append(("lm_head, bf16 logits", _run_fresh(dict(shape, method="lm_head bf16", chunk=None))))
+        methods.append(("lm_head, bf16 logits", "lm_head bf16", None))
+    times = _run_fresh("time_interleaved", methods=[m[1:] for m in methods], steps=args.steps, **shape)
+    rows = [
+        (name, dict(_run_fresh("measure", method=method, chunk=chunk, **shape), time_s=t))
+        for (name, method, chunk), t in zip(methods, times, strict=True)
+    ]
     base = rows[0][1]
     title = TITLES[args.variant] or f"{f'Top-{args.topk}' if args.topk else 'Token'} log-probs"
     lines = [
@@ -184,8 +206,8 @@ def main() -> None:
         f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}] "
         f"({'bf16' if args.variant == 'fp32_logits' else 'fp32'}), "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. Peak: resident memory of the "
-        "first step over that before it (fresh process per row); time: median of "
-        f"{args.steps} steps, matmuls included.",
+        "step over that before it (fresh process per row); time: median of "
+        f"{args.steps} steps, matmuls included, the rows taking turns step by step in one process.",
         "",
         machine_header("cpu"),
         f"| method | peak MiB | × {base_name} | step s | × {base_name} |",
