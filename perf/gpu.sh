@@ -37,6 +37,10 @@ fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The peers' pure-Python packages (Liger-Kernel, cut-cross-entropy), installed beforehand
+# with `pip install --no-deps --target perf/site ...` and carried to the GPU machine, which
+# may have no package index.
+if [[ -d "$ROOT/perf/site" ]]; then export PYTHONPATH="$PYTHONPATH:$ROOT/perf/site"; fi
 export COMPILED_LOGPROB_ALLOW_OLD_TORCH=${COMPILED_LOGPROB_ALLOW_OLD_TORCH:-1}
 
 DEVICE=cuda

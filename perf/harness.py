@@ -39,6 +39,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+import peers
+
 from compiled_logprob import token_logprobs
 from compiled_logprob._math import kernels
 from compiled_logprob.testing.reference import (
@@ -48,9 +50,8 @@ from compiled_logprob.testing.reference import (
 )
 
 METHODS = ("seed", "eager", "compiled", "floor")
-# bench_peers.py's too: torch's own compiled log-softmax + gather (TP = 1), and ours compiled
-# with inplace_backward (the logits consumed, as Megatron's cross-entropy consumes them).
-PEER_METHODS = ("torch_compiled", "compiled_inplace")
+# bench_peers.py's too: the peers a user would pick instead, and ours with inplace_backward.
+PEER_METHODS = peers.METHODS
 # Every (dtype, mode, layout) compiles the same Python function once: more than Dynamo's
 # default of 8 compiles per code object.
 torch._dynamo.config.recompile_limit = 64
@@ -195,30 +196,6 @@ def _seed(case: Case, start: int, end: int, group) -> Callable:
     return lambda z, t: SeedDistributedLogprob.apply(z, t, start, end, group, inference_only)
 
 
-def _torch_log_softmax_gather(logits, target):
-    return torch.log_softmax(logits.float(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-
-
-def _peer(method: str, case: Case, start: int, group, compiled_cache: dict) -> Callable:
-    """One of :data:`PEER_METHODS`, compiled once per (method, layout, mode)."""
-    key = (method, case.dtype, case.backward, case.tp, case.chunk, start)
-    if key not in compiled_cache:
-        if method == "torch_compiled":
-            assert case.tp == 1, "torch's log-softmax needs the whole vocabulary"
-            compiled_cache[key] = torch.compile(_torch_log_softmax_gather, fullgraph=True)
-        else:
-            ours = torch.compile(
-                lambda z, t: token_logprobs(
-                    z, t, vocab_start=start, group=group, chunk_size=case.chunk,
-                    inplace_backward=case.backward,
-                ),
-                fullgraph=True,
-            )
-            # A view of the leaf: a model's output, whose storage the backward takes over.
-            compiled_cache[key] = lambda z, t: ours(z.view_as(z), t)
-    return compiled_cache[key]
-
-
 def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> Callable[[], object]:
     """A zero-argument callable doing ``method`` once on ``inputs`` (forward, or
     forward+backward returning the logits' gradient). ``compiled_cache`` keeps one
@@ -238,15 +215,22 @@ def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> C
             compiled_cache[key] = torch.compile(_ours(case, start, group), fullgraph=True)
         fn = compiled_cache[key]
     elif method in PEER_METHODS:
-        fn = _peer(method, case, start, group, compiled_cache)
+        fn = peers.peer(method, case, start, group, compiled_cache)
+        if method in peers.CONSUMING:  # its own logits, which it overwrites
+            logits = logits.detach().clone().requires_grad_(case.backward)
     else:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS + PEER_METHODS}")
+    context = peers.context(method)
     if not case.backward:
         def forward():
-            with torch.no_grad():
+            with torch.no_grad(), context():
                 return fn(logits, target)
         return forward
-    return lambda: torch.autograd.grad(fn(logits, target), logits, grad_out)[0]
+
+    def train():
+        with context():
+            return torch.autograd.grad(fn(logits, target), logits, grad_out)[0]
+    return train
 
 
 # ---------------------------------------------------------------------------------------------
