@@ -189,8 +189,11 @@ def lm_head_token_logprobs(
         vocab_start: first global vocabulary id of this rank's slice.
         group: the vocab-parallel (tensor-parallel) group; ``None`` or a group of size 1 means
             the vocabulary is not sharded.
-        chunk_size: positions per chunk; temporaries are ``O(B · chunk_size · V_local)``
-            fp32. Default: about ``2**24 / (B · V_local)`` positions (a 64 MiB tile).
+        chunk_size: positions per chunk, each formed in blocks of the vocabulary of about
+            ``2**24`` entries (a 64 MiB fp32 tile; at least ``B · chunk_size · 1024``).
+            Default: every position, up to ``2**24 / (B · 1024)``. With ``top_k``/``top_p``
+            the forward needs whole rows: ``B · chunk_size · V_local`` entries, by default
+            ``2**24 / (B · V_local)`` positions.
         ignore_index: targets equal to it get log-prob (and entropy) 0 and no gradient.
         temperature: the softmax is over ``logits / temperature``: a float, or a tensor
             that broadcasts to ``[..., S]`` (e.g. ``[..., 1]``, one per row), as in

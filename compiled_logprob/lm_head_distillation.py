@@ -55,8 +55,9 @@ def lm_head_cross_entropy(
         teacher_weight: ``[V_local, H_t]``, this rank's slice of the teacher's LM-head weight
             (the same vocabulary slice), in ``teacher_hidden``'s dtype.
         group: the vocab-parallel group; ``None`` (or size 1): the vocabulary is not sharded.
-        chunk_size: positions per chunk; temporaries are ``O(B · chunk_size · V_local)``.
-            Default: about ``2**24 / (B · V_local)`` positions.
+        chunk_size: positions per chunk, as in
+            :func:`compiled_logprob.lm_head_token_logprobs` (both models' tiles are blocks of
+            the vocabulary of about ``2**24`` entries each).
         temperature: both softmaxes are of ``logits / temperature``; a float or a tensor that
             broadcasts to ``[..., S]``.
         sequence_parallel: both models' hidden states are this rank's contiguous ``1 / TP``
