@@ -30,6 +30,7 @@ vocabulary slice, ``R`` ranks of the vocab-parallel group, ``F`` statistics per 
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -113,6 +114,11 @@ def tiles(
     return chunks
 
 
+def by_chunk(chunks: list[Tile]) -> list[list[Tile]]:
+    """:func:`tiles` grouped by chunk of positions, each chunk's blocks in order."""
+    return [list(group) for _, group in itertools.groupby(chunks, key=lambda tile: tile.rows.start)]
+
+
 def logits_tile(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``[B, c, V_local]`` tile ``hidden @ weight.T`` in ``out``'s dtype (written into
     ``out``): the inputs' dtype, as the logits path computes its logits, or fp32 (an fp32
@@ -145,24 +151,26 @@ def lm_head_stats(
         hidden, weight, chunk_size, spare=with_entropy, logits_dtype=logits_dtype,
         whole_rows=topk > 0,
     )
-    blocks: dict[int, list[stats.LocalStats]] = {}  # each chunk's, by its first position
-    for tile in chunks:
-        logits = logits_tile(hidden[:, tile.rows], weight[tile.cols], tile.logits)
-        local = stats.local_stats(
-            logits,
-            block_rows(target, tile.rows),
-            vocab_start + tile.cols.start,
-            temperature=block_rows(temperature, tile.rows),
-            with_entropy=with_entropy,
-            ops=Eager(tile.workspace, tile.spare),
-        )
-        if topk:
-            candidates = _topk.topk_stats(logits, topk, vocab_start)
-            local = stats.LocalStats(torch.cat([local.rows, candidates], dim=-1), local.tiles)
-        blocks.setdefault(tile.rows.start, []).append(local)
-    joined = [stats.join_columns(chunk) for chunk in blocks.values()]
-    rows = [chunk.rows for chunk in joined]
-    per_tile = [chunk.tiles for chunk in joined]
+    rows, per_tile = [], []
+    for chunk in by_chunk(chunks):
+        blocks = []
+        for tile in chunk:
+            logits = logits_tile(hidden[:, tile.rows], weight[tile.cols], tile.logits)
+            local = stats.local_stats(
+                logits,
+                block_rows(target, tile.rows),
+                vocab_start + tile.cols.start,
+                temperature=block_rows(temperature, tile.rows),
+                with_entropy=with_entropy,
+                ops=Eager(tile.workspace, tile.spare),
+            )
+            if topk:
+                candidates = _topk.topk_stats(logits, topk, vocab_start)
+                local = stats.LocalStats(torch.cat([local.rows, candidates], dim=-1), local.tiles)
+            blocks.append(local)
+        joined = stats.join_columns(blocks)
+        rows.append(joined.rows)
+        per_tile.append(joined.tiles)
     result = merge.exchange_stats(
         stats.LocalStats(torch.cat(rows, dim=1), torch.cat(per_tile, dim=1)),
         target,

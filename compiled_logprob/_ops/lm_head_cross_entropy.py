@@ -20,14 +20,12 @@ vocabulary slice.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from compiled_logprob._math import cross_entropy as _ce
 from compiled_logprob._math.cross_entropy import CrossEntropyStats
 from compiled_logprob._math.kernels import Eager, block_rows
-from compiled_logprob._ops.lm_head import HeadGrads, logits_tile, tiles
+from compiled_logprob._ops.lm_head import HeadGrads, by_chunk, logits_tile, tiles
 
 
 @torch.library.custom_op("compiled_logprob::lm_head_cross_entropy_stats", mutates_args=())
@@ -50,9 +48,8 @@ def lm_head_cross_entropy_stats(
         hidden, weight, teacher_hidden, teacher_weight, chunk_size, logits_dtype, teacher_logits_dtype
     )
     local = []
-    for _, chunk in itertools.groupby(zip(student, teacher, strict=True), key=lambda t: t[0].rows.start):
-        pairs = list(chunk)
-        rows = pairs[0][0].rows
+    for chunk, teacher_chunk in zip(by_chunk(student), by_chunk(teacher), strict=True):
+        rows = chunk[0].rows
         blocks = [
             _ce.cross_entropy_stats(
                 logits_tile(hidden[:, rows], weight[tile.cols], tile.logits),
@@ -60,7 +57,7 @@ def lm_head_cross_entropy_stats(
                 block_rows(temperature, rows),
                 ops=Eager(tile.workspace, tile.spare),
             )
-            for tile, teacher_tile in pairs
+            for tile, teacher_tile in zip(chunk, teacher_chunk, strict=True)
         ]
         local.append(_ce.merge_blocks(torch.stack(blocks), block_rows(temperature, rows)))
     result = _ce.exchange_cross_entropy(torch.cat(local, dim=1), group_name, temperature)
