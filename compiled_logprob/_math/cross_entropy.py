@@ -86,19 +86,40 @@ def cross_entropy_stats(
     return torch.cat([x_max, total, y_max, target_total, gaps * ops.unit], dim=-1)
 
 
+class _Merged(NamedTuple):
+    """Parts' statistics ``[P, B, S, 5]`` rescaled to common shifts and summed, ``[B, S]``."""
+
+    shift: torch.Tensor  # the largest logit (0 where infinite)
+    mass: torch.Tensor  # Σ exp((x − shift) / T)
+    target_shift: torch.Tensor
+    target_mass: torch.Tensor  # Σ exp((y − target_shift) / T)
+    gaps: torch.Tensor  # Σ exp((y − target_shift) / T) · (shift − x) / T
+
+
+def _merge(parts: torch.Tensor, inverse_t: float | torch.Tensor) -> _Merged:
+    """Merges the :func:`cross_entropy_stats` of parts of a vocabulary (ranks' shards, or a
+    shard's blocks): each part's sum of gaps to its own max gains its target mass times the
+    distance between its max and the common one."""
+    shift, mass, _ = common_shift(parts[..., 0], parts[..., 1], inverse_t)
+    target_shift, target_mass, target_factor = common_shift(parts[..., 2], parts[..., 3], inverse_t)
+    climb = (shift - finite_or_zero(parts[..., 0])) * inverse_t
+    gaps = parts[..., 4] * target_factor + torch.where(target_mass == 0, 0.0, target_mass * climb)
+    return _Merged(shift, mass.sum(0), target_shift, target_mass.sum(0), gaps.sum(0))
+
+
+def _inverse(temperature: torch.Tensor | None) -> float | torch.Tensor:
+    return 1.0 if temperature is None else 1.0 / temperature
+
+
 def merge_blocks(blocks: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
     """A shard's :func:`cross_entropy_stats` ``[B, S, 5]`` from those of its blocks of ids
-    ``[P, B, S, 5]``: each block's sums rescaled to the shard's maxima, as
-    :func:`exchange_cross_entropy` merges ranks' (every rank then gathers one ``[B, S, 5]``,
-    whatever its number of blocks)."""
-    inverse_t: float | torch.Tensor = 1.0 if temperature is None else 1.0 / temperature
-    _, mass, _ = common_shift(blocks[..., 0], blocks[..., 1], inverse_t)
-    _, target_mass, target_factor = common_shift(blocks[..., 2], blocks[..., 3], inverse_t)
-    shift = finite_or_zero(blocks[..., 0].amax(0))
-    climb = (shift - finite_or_zero(blocks[..., 0])) * inverse_t
-    gaps = blocks[..., 4] * target_factor + torch.where(target_mass == 0, 0.0, target_mass * climb)
-    maxima = [blocks[..., 0].amax(0), blocks[..., 2].amax(0)]
-    return torch.stack([maxima[0], mass.sum(0), maxima[1], target_mass.sum(0), gaps.sum(0)], dim=-1)
+    ``[P, B, S, 5]``, merged as :func:`exchange_cross_entropy` merges ranks' (every rank
+    then gathers one ``[B, S, 5]``, whatever its number of blocks)."""
+    merged = _merge(blocks, _inverse(temperature))
+    maxima = blocks[..., 0].amax(0), blocks[..., 2].amax(0)  # as a shard reports them
+    return torch.stack(
+        [maxima[0], merged.mass, maxima[1], merged.target_mass, merged.gaps], dim=-1
+    )
 
 
 def exchange_cross_entropy(
@@ -111,18 +132,12 @@ def exchange_cross_entropy(
     plus its target mass times the distance between its max and the global one), so nothing
     cancels however large the logits are.
     """
-    gathered = _comm.gather_ranks(stats, group_name)
-    inverse_t: float | torch.Tensor = 1.0 if temperature is None else 1.0 / temperature
-    shift, mass, _ = common_shift(gathered[..., 0], gathered[..., 1], inverse_t)
-    target_shift, target_mass, target_factor = common_shift(
-        gathered[..., 2], gathered[..., 3], inverse_t
+    merged = _merge(_comm.gather_ranks(stats, group_name), _inverse(temperature))
+    log_norm = torch.log(merged.mass)
+    cross_entropy = log_norm + merged.gaps / merged.target_mass
+    return CrossEntropyStats(
+        merged.shift, log_norm, merged.target_shift, torch.log(merged.target_mass), cross_entropy
     )
-    target_total = target_mass.sum(0)
-    climb = (shift - finite_or_zero(gathered[..., 0])) * inverse_t
-    gaps = gathered[..., 4] * target_factor + torch.where(target_mass == 0, 0.0, target_mass * climb)
-    log_norm = torch.log(mass.sum(0))
-    cross_entropy = log_norm + gaps.sum(0) / target_total
-    return CrossEntropyStats(shift, log_norm, target_shift, torch.log(target_total), cross_entropy)
 
 
 def grad_cross_entropy(
