@@ -62,7 +62,7 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         )
 
 
-def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bool:
+def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> None:
     """``inplace_backward``, checked: a bool, and only for logits that a model computed."""
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r:.80}")
@@ -72,7 +72,6 @@ def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bo
             "leaf's gradient goes to its own .grad buffer anyway, and its values would be lost; "
             "pass inplace_backward=False"
         )
-    return inplace_backward
 
 
 def check_token_ids(ids: torch.Tensor, name: str) -> None:

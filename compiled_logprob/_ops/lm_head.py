@@ -239,7 +239,8 @@ def lm_head_stats_backward(
 
 class HeadGrads:
     """One LM head's gradient buffers, only those asked for (the others ``[0]``): its
-    hidden states' (chunk by chunk) and its weight's (summed over chunks in fp32)."""
+    hidden states' (each chunk's summed over its blocks in fp32) and its weight's (each
+    block its own rows, summed over chunks in fp32)."""
 
     def __init__(
         self,
@@ -259,6 +260,8 @@ class HeadGrads:
         # The gradient is rounded to the logits' dtype; a product in it goes through a buffer.
         mixed = needs_weight and logits_dtype != torch.float32
         self.product = weight.new_empty(weight.shape, dtype=logits_dtype) if mixed else None
+        # The current chunk's hidden-state gradient, while its blocks are summed.
+        self.hidden_sum = hidden.new_empty(0, dtype=torch.float32)
 
     def accumulate(self, gradient: torch.Tensor, tile: Tile) -> None:
         """Adds ``tile``'s logits gradient ``[B, c, w]``: tiles come row-major, each chunk's
