@@ -24,6 +24,7 @@ conftest fixtures, the package and third-party libraries, never one another.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -39,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import compiled_logprob as cl
 from compiled_logprob._math.topk import TOPK_BLOCK
+from compiled_logprob._ops import lm_head as lm_head_ops
 from compiled_logprob.lm_head import lm_head_token_logprobs
 from compiled_logprob.testing.multiprocess import default_timeout, property_in_lockstep
 from compiled_logprob.testing.reference import (
@@ -758,6 +760,17 @@ class LMHeadCase:
     seed: int = 0
     sequence_parallel: bool = False  # each rank passes its 1 / world of the sequence
     fp32_logits: bool = False  # logits_dtype=torch.float32
+
+
+@contextlib.contextmanager
+def lm_head_tiles(elements: int):
+    """The LM-head ops' tiles hold about ``elements`` entries inside the block: a small
+    number cuts each chunk into several blocks of whole ``TILE_WIDTH`` tiles."""
+    default, lm_head_ops.TILE_ELEMENTS = lm_head_ops.TILE_ELEMENTS, elements
+    try:
+        yield
+    finally:
+        lm_head_ops.TILE_ELEMENTS = default
 
 
 def lm_head_inputs(case: LMHeadCase):

@@ -32,6 +32,7 @@ from helpers import (
     lm_head_oracle,
     lm_head_oracle_of,
     lm_head_temperature,
+    lm_head_tiles,
     run_lm_head,
 )
 from helpers import LMHeadCase as Case
@@ -40,7 +41,6 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
-from compiled_logprob._ops import lm_head as lm_head_ops
 from compiled_logprob.lm_head import lm_head_token_logprobs, lm_head_topk
 from compiled_logprob.lm_head_context_parallel import (
     lm_head_context_parallel_logprobs,
@@ -107,12 +107,8 @@ BLOCK_CASES = [
 def _run_in_blocks(case: Case, rank: int, world: int, group, tile_elements: int):
     """:func:`run_lm_head` with tiles of ``tile_elements``: a small number cuts each chunk
     into blocks of whole ``TILE_WIDTH`` tiles of the vocabulary."""
-    default, lm_head_ops.TILE_ELEMENTS = lm_head_ops.TILE_ELEMENTS, tile_elements
-    try:
-        with no_host_syncs():
-            return run_lm_head(case, rank, world, group)
-    finally:
-        lm_head_ops.TILE_ELEMENTS = default
+    with lm_head_tiles(tile_elements), no_host_syncs():
+        return run_lm_head(case, rank, world, group)
 
 
 def _worker_blocks(case: Case):

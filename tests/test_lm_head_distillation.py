@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from helpers import (
     case_id,
+    lm_head_tiles,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import compiled_logprob as cl
-from compiled_logprob._ops import lm_head as lm_head_ops
 from compiled_logprob.testing.reference import vocab_bounds
 from compiled_logprob.testing.sync_check import no_host_syncs
 
@@ -160,12 +160,8 @@ BLOCK_CASES = [
 
 
 def _run_ce_in_blocks(case: CECase, rank: int, world: int, group):
-    default, lm_head_ops.TILE_ELEMENTS = lm_head_ops.TILE_ELEMENTS, 4096
-    try:
-        with no_host_syncs():
-            return _run_ce(case, rank, world, group)
-    finally:
-        lm_head_ops.TILE_ELEMENTS = default
+    with lm_head_tiles(4096), no_host_syncs():
+        return _run_ce(case, rank, world, group)
 
 
 def _worker_ce_blocks(case: CECase):
