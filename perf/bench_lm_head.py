@@ -1,4 +1,5 @@
-"""Peak memory and time of token log-probs from hidden states vs the logits path (CPU).
+"""Peak memory and time of token log-probs from hidden states vs the logits path and the
+peers (CPU, or CUDA with ``--device cuda``).
 
 * ``logits``: ``logits = hidden @ weight.T`` then ``compiled_logprob.token_logprobs`` (eager),
   forward and backward — the ``[B, S, V]`` logits and their gradient exist;
@@ -17,22 +18,26 @@ measures the hidden-state path's options against the logits path doing the same:
   both models' logits, a frozen teacher of the same shapes;
 * ``cce``: against Apple cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile")``
   (the peer a CPU user would pick; the optional ``peers`` extra), warmed up (compiled) by
-  one step first, and the logits path beside it.
+  one step first, and the logits path beside it; on CUDA also its Triton kernel
+  (``impl="cce"``, the base row there) and Liger-Kernel's
+  ``liger_fused_linear_cross_entropy`` (both from ``perf/site`` on a GPU machine).
 
 ``--forward`` measures the forward alone (no autograd graph: the old-policy and reference
 passes).
 
 Both produce the gradients of the hidden states and the weight. Each row's peak resident
 memory is that of one step in a fresh subprocess, over the resident memory just before it
-(``VmHWM`` reset through ``/proc/self/clear_refs``). The step times come from one more
-subprocess in which the rows take turns step by step (median of ``--steps``), so that their
-ratios come from one run. Results go to ``perf/results/lm_head.md`` (``lm_head_topk.md``
-with ``--topk``, ``lm_head_{variant}[_forward].md`` otherwise).
+(``VmHWM`` reset through ``/proc/self/clear_refs``); on CUDA, the allocator's peak in the
+timing process. The step times come from one more subprocess in which the rows take turns
+step by step (median of ``--steps``), so that their ratios come from one run; a row whose
+warm-up raises is reported as failed. Results go to ``perf/results/lm_head.md`` (``lm_head_topk.md``
+with ``--topk``, ``lm_head_{variant}[_forward][_cuda].md`` otherwise).
 
     python perf/bench_lm_head.py                   # V = 152064, [1, 8192, 256], fp32
     python perf/bench_lm_head.py --hidden 512 --chunks 110 256
     python perf/bench_lm_head.py --topk 32
     python perf/bench_lm_head.py --seq 2048 --variant filtered   # fp32_logits, cross_entropy
+    python perf/bench_lm_head.py --device cuda --variant cce --hidden 2048 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import sys
 import time
 
 import torch
-from harness import machine_header, reset_peak_rss, rss_kib
+from harness import machine_header, reset_peak_rss, rss_kib, short_error
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -75,10 +80,16 @@ def _step(
         else:
             dtype = torch.float32 if method == "lm_head" else None  # "lm_head bf16"
             logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk, logits_dtype=dtype)
-    elif method == "cce":
+    elif method in ("cce", "cce_triton"):
         from cut_cross_entropy import linear_cross_entropy
 
-        logprobs = -linear_cross_entropy(hidden, weight, target, reduction="none", impl="torch_compile")
+        impl = "torch_compile" if method == "cce" else "cce"
+        logprobs = -linear_cross_entropy(hidden, weight, target, reduction="none", impl=impl)
+    elif method == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        loss = liger_fused_linear_cross_entropy(hidden.flatten(0, 1), weight, target.flatten(), reduction="none")
+        logprobs = -loss.view(target.shape)
     elif variant == "cross_entropy":
         teacher_hidden, teacher_weight = hidden.detach() * 0.5, weight.detach().flip(0)
         if method == "logits":
@@ -98,13 +109,19 @@ def _step(
         logprobs.sum().backward()
 
 
-def _inputs(batch: int, seq: int, hidden_size: int, vocab: int, variant: str):
+def _inputs(batch: int, seq: int, hidden_size: int, vocab: int, variant: str, device: str, dtype: str):
     gen = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16 if variant == "fp32_logits" else torch.float32
-    hidden = torch.randn(batch, seq, hidden_size, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).requires_grad_()
-    target = torch.randint(0, vocab, (batch, seq), generator=gen)
+    kind = torch.bfloat16 if variant == "fp32_logits" else getattr(torch, dtype)
+    hidden = torch.randn(batch, seq, hidden_size, generator=gen).to(device, kind).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5
+    weight = weight.to(device, kind).requires_grad_()
+    target = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     return hidden, weight, target
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def measure(
@@ -117,12 +134,14 @@ def measure(
     topk: int,
     variant: str = "plain",
     forward: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict:
-    """Runs in the subprocess: peak memory of one step (after a warm-up step for a compiled
-    peer)."""
-    hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant)
+    """Runs in the subprocess: peak resident memory of one step on the CPU (after a warm-up
+    step for a compiled peer)."""
+    hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant, device, dtype)
     args = (method, hidden, weight, target, chunk, topk, variant, forward)
-    if method == "cce":
+    if method.startswith("cce"):
         _step(*args)
         hidden.grad = weight.grad = None
     reset_peak_rss()
@@ -133,21 +152,49 @@ def measure(
 
 def time_interleaved(
     methods: list, batch: int, seq: int, hidden_size: int, vocab: int, steps: int, topk: int,
-    variant: str = "plain", forward: bool = False,
-) -> list[float]:
+    variant: str = "plain", forward: bool = False, device: str = "cpu", dtype: str = "float32",
+) -> dict:
     """Runs in one subprocess: the median step time of each ``(method, chunk)``, the methods
     taking turns step by step after a warm-up step each, so that the machine's noise hits
-    them alike and their ratios come from one run."""
-    hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant)
-    times: list[list[float]] = [[] for _ in methods]
-    for step in range(steps + 1):
-        for i, (method, chunk) in enumerate(methods):
-            hidden.grad = weight.grad = None
+    them alike and their ratios come from one run. On CUDA also each one's peak allocated
+    memory over that before its step. A method whose warm-up raises is left out, its error
+    returned in ``errors``."""
+    hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant, device, dtype)
+
+    def run(method, chunk):
+        hidden.grad = weight.grad = None
+        _step(method, hidden, weight, target, chunk, topk, variant, forward)
+
+    errors: dict[int, str] = {}
+    for i, (method, chunk) in enumerate(methods):
+        try:
+            run(method, chunk)
+        except Exception as error:  # noqa: BLE001 - a peer's failure is reported, not fatal
+            errors[i] = short_error(error)
+    live = [i for i in range(len(methods)) if i not in errors]
+    times: dict[int, list[float]] = {i: [] for i in live}
+    for _ in range(steps):
+        for i in live:
+            _sync(device)
             start = time.perf_counter()
-            _step(method, hidden, weight, target, chunk, topk, variant, forward)
-            if step:
-                times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+            run(*methods[i])
+            _sync(device)
+            times[i].append(time.perf_counter() - start)
+    peaks: dict[int, float] = {}
+    if device.startswith("cuda"):
+        for i in live:
+            hidden.grad = weight.grad = None
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            run(*methods[i])
+            _sync(device)
+            peaks[i] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return {
+        "times": [statistics.median(times[i]) if i in times else None for i in range(len(methods))],
+        "peaks_mib": [peaks.get(i) for i in range(len(methods))],
+        "errors": [errors.get(i) for i in range(len(methods))],
+    }
 
 
 def _run_fresh(function: str, **config) -> dict | list:
@@ -169,6 +216,21 @@ TITLES = {
 }
 
 
+def _methods(args) -> tuple[str, list[tuple[str, str, int | None]]]:
+    """The base row's name and every row: ``(name, method, chunk)``; the base row first."""
+    methods = [("logits path", "logits", None)]
+    if args.variant == "cce":
+        peers = [("cut-cross-entropy torch_compile", "cce", None)]
+        if args.device.startswith("cuda"):  # Triton kernels
+            peers = [("cut-cross-entropy cce (Triton)", "cce_triton", None), *peers,
+                     ("Liger fused linear cross-entropy", "liger", None)]
+        methods = peers + methods
+    methods += [(f"lm_head chunk={chunk or 'default'}", "lm_head", chunk or None) for chunk in args.chunks]
+    if args.variant == "fp32_logits":
+        methods.append(("lm_head, bf16 logits", "lm_head bf16", None))
+    return methods[0][0], methods
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -180,51 +242,63 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=0, help="score the top K instead of a target")
     parser.add_argument("--variant", choices=sorted(TITLES), default="plain")
     parser.add_argument("--forward", action="store_true", help="the forward alone, no autograd")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (peaks from the allocator)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="of the hidden states and the weight")
     args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
     shape = dict(
         batch=args.batch, seq=args.seq, hidden_size=args.hidden, vocab=args.vocab, topk=args.topk,
-        variant=args.variant, forward=args.forward,
+        variant=args.variant, forward=args.forward, device=args.device, dtype=args.dtype,
     )
-    base_name = "cut-cross-entropy torch_compile" if args.variant == "cce" else "logits path"
-    methods = [("logits path", "logits", None)]
-    if args.variant == "cce":
-        methods.insert(0, (base_name, "cce", None))
-    methods += [(f"lm_head chunk={chunk or 'default'}", "lm_head", chunk or None) for chunk in args.chunks]
-    if args.variant == "fp32_logits":
-        methods.append(("lm_head, bf16 logits", "lm_head bf16", None))
-    times = _run_fresh("time_interleaved", methods=[m[1:] for m in methods], steps=args.steps, **shape)
-    rows = [
-        (name, dict(_run_fresh("measure", method=method, chunk=chunk, **shape), time_s=t))
-        for (name, method, chunk), t in zip(methods, times, strict=True)
-    ]
+    base_name, methods = _methods(args)
+    timed = _run_fresh("time_interleaved", methods=[m[1:] for m in methods], steps=args.steps, **shape)
+    rows = []
+    for (name, method, chunk), t, peak, error in zip(
+        methods, timed["times"], timed["peaks_mib"], timed["errors"], strict=True
+    ):
+        if error is None and not cuda:
+            peak = _run_fresh("measure", method=method, chunk=chunk, **shape)["peak_mib"]
+        rows.append((name, {"time_s": t, "peak_mib": peak, "error": error}))
     base = rows[0][1]
+    dtype = "bf16" if args.variant == "fp32_logits" or args.dtype == "bfloat16" else "fp32"
     title = TITLES[args.variant] or f"{f'Top-{args.topk}' if args.topk else 'Token'} log-probs"
+    peak_how = (
+        "allocated memory (torch.cuda.max_memory_allocated) of the step over that before it"
+        if cuda else "resident memory of the step over that before it (fresh process per row)"
+    )
     lines = [
-        f"# {title} from hidden states vs the {base_name} (CPU, "
+        f"# {title} from hidden states vs the {base_name} ({'CUDA' if cuda else 'CPU'}, "
         f"{'forward' if args.forward else 'forward + backward'})",
         "",
         f"hidden [{args.batch}, {args.seq}, {args.hidden}], weight [{args.vocab}, {args.hidden}] "
-        f"({'bf16' if args.variant == 'fp32_logits' else 'fp32'}), "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}. Peak: resident memory of the "
-        "step over that before it (fresh process per row); time: median of "
-        f"{args.steps} steps, matmuls included, the rows taking turns step by step in one process.",
+        f"({dtype}), {torch.get_num_threads()} threads, torch {torch.__version__}. Peak: "
+        f"{peak_how}; time: median of {args.steps} steps, matmuls included, the rows taking "
+        "turns step by step in one process.",
         "",
-        machine_header("cpu"),
+        machine_header(args.device),
         f"| method | peak MiB | × {base_name} | step s | × {base_name} |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in rows:
+        if r["error"] is not None:
+            lines.append(f"| {name} | failed: {r['error'].replace('|', '/')} | | | |")
+            continue
         lines.append(
-            f"| {name} | {r['peak_mib']:.0f} | {r['peak_mib'] / base['peak_mib']:.3f} "
-            f"| {r['time_s']:.2f} | {r['time_s'] / base['time_s']:.2f} |"
+            f"| {name} | {r['peak_mib']:.0f} | {_ratio(r['peak_mib'], base['peak_mib'], 3)} "
+            f"| {r['time_s']:.3f} | {_ratio(r['time_s'], base['time_s'], 2)} |"
         )
     report = "\n".join(lines) + "\n"
     os.makedirs(RESULTS, exist_ok=True)
     name = f"lm_head_{args.variant}" if args.variant != "plain" else "lm_head_topk" if args.topk else "lm_head"
-    name += "_forward.md" if args.forward else ".md"
+    name += ("_forward" if args.forward else "") + ("_cuda" if cuda else "") + ".md"
     with open(os.path.join(RESULTS, name), "w") as out:
         out.write(report)
     print(report)
+
+
+def _ratio(value: float, base: float | None, digits: int) -> str:
+    return "—" if not base else f"{value / base:.{digits}f}"
 
 
 if __name__ == "__main__":

@@ -9,18 +9,23 @@
 #   compile time, the extras' cost over the plain pass (entropy, top-k, ...: on this CPU
 #   the exp-sum loop is compute-bound, so only a GPU tells whether they come free) with the
 #   kernels they spend it in and the top-k's block sizes, and the top-k/top-p filtered
-#   log-probs against the seed's sort-based algorithm. The steps measured on a GPU before
-#   (CUDA graphs, compile time) come last, where a short budget cuts them first.
+#   log-probs against NeMo-RL's sort-based algorithm; the peers side by side on the logits
+#   (bench_peers: torch compiled, loss_parallel, megatron-core, Liger) and from hidden states
+#   (bench_lm_head --variant cce: cut-cross-entropy's Triton kernel and torch_compile,
+#   Liger's fused linear cross-entropy). The steps measured on a GPU before (CUDA graphs,
+#   compile time) come last, where a short budget cuts them first.
 #
 #   perf/gpu.sh                      # on the GPU machine, from anywhere
 #   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU (limits × 3)
+#   perf/gpu.sh --only bench_peers,lm_head_peers   # some steps (preflight always runs)
 #
 # Every step runs under its own `timeout`, each cut to what is left of the 570 s; a step that
 # fails or times out is reported and the next one runs, and the exit status is non-zero if
 # any step failed. bench_tp, cuda_graphs, bench_extras and bench_filtering rewrite their
 # tables as they go, so a step cut short still leaves what it measured. Results go to
-# perf/results/; when $OUT is set, the files this run wrote there (8 at most, with the log
-# gpu_sh.log: the device tool brings back 9) are copied into $OUT after every step.
+# perf/results/; when $OUT is set, the files this run wrote there are packed into
+# $OUT/results.tar.gz after every step (the device tool brings back 8 files at most), beside
+# the log gpu_sh.log.
 #
 # Works on a bare machine with the image's torch: nothing is installed, PYTHONPATH points at
 # the repository root (subprocesses included). The lent H200's image holds torch 2.11, older
@@ -38,18 +43,21 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # The peers' pure-Python packages (Liger-Kernel, cut-cross-entropy), installed beforehand
-# with `pip install --no-deps --target perf/site ...` and carried to the GPU machine, which
-# may have no package index.
+# with `pip install --no-deps --target perf/site liger-kernel cut-cross-entropy megatron-core`
+# and carried to the GPU machine, which may have no package index. A peer that is missing
+# or fails is reported in its table; the run goes on.
 if [[ -d "$ROOT/perf/site" ]]; then export PYTHONPATH="$PYTHONPATH:$ROOT/perf/site"; fi
 export COMPILED_LOGPROB_ALLOW_OLD_TORCH=${COMPILED_LOGPROB_ALLOW_OLD_TORCH:-1}
 
 DEVICE=cuda
 QUICK=()
+ONLY=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --quick) QUICK=(--quick); shift ;;
-    *) echo "unknown option $1 (use --device cpu|cuda, --quick)" >&2; exit 2 ;;
+    --only) ONLY=",$2,"; shift 2 ;;
+    *) echo "unknown option $1 (use --device cpu|cuda, --quick, --only STEP,...)" >&2; exit 2 ;;
   esac
 done
 
@@ -59,6 +67,8 @@ TOTAL_S=${TOTAL_S:-570}
 PREFLIGHT_S=${PREFLIGHT_S:-40}
 DEVICE_TESTS_S=${DEVICE_TESTS_S:-120}
 BENCH_TP_S=${BENCH_TP_S:-120}  # bench_tp starts no new case after 60 s of them
+PEERS_S=${PEERS_S:-100}        # the bf16 forward and training at least (six compiles each)
+LM_HEAD_PEERS_S=${LM_HEAD_PEERS_S:-60}
 EXTRAS_S=${EXTRAS_S:-60}       # the fp32 forward case at least (its five compiles)
 PROFILE_S=${PROFILE_S:-70}     # 6 compiles to profile, then 2 per block size
 FILTERING_S=${FILTERING_S:-60} # likewise (four compiles per case)
@@ -84,7 +94,12 @@ log() { echo "$*" | tee -a "$LOG"; }
 
 save_results() {
   [[ -n "${OUT:-}" ]] || return 0
-  find perf/results -maxdepth 1 -type f -newer "$STAMP" -exec cp -p {} "$OUT"/ \; 2>/dev/null || true
+  local written
+  written=$(cd perf/results && find . -maxdepth 1 -type f -newer "$STAMP" -printf '%P\n')
+  [[ -n "$written" ]] || return 0
+  # Written whole, then renamed: a run killed mid-pack leaves the previous pack.
+  (cd perf/results && tar -czf "$OUT/results.tar.gz.part" $written) 2>/dev/null \
+    && mv "$OUT/results.tar.gz.part" "$OUT/results.tar.gz"
 }
 
 # run_step NAME LIMIT_S COMMAND... : COMMAND under timeout, output to the terminal and the log.
@@ -93,6 +108,9 @@ save_results() {
 run_step() {
   local name=$1 limit=$(($2 * SCALE))
   shift 2
+  if [[ -n "$ONLY" && "$ONLY" != *",$name,"* && "$name" != preflight ]]; then
+    return 0
+  fi
   local left=$((TOTAL_S * SCALE - (SECONDS - START) - KILL_GRACE_S))
   ((limit > left)) && limit=$left
   local budget=$((limit > 90 * SCALE ? limit - 60 * SCALE : limit * 2 / 3))
@@ -130,7 +148,7 @@ finish() {
   for line in "${SUMMARY[@]}"; do log "  $line"; done
   log "results written by this run:"
   find perf/results -maxdepth 1 -type f -newer "$STAMP" -exec ls -l {} + 2>/dev/null | tee -a "$LOG"
-  [[ -n "${OUT:-}" ]] && log "copied to $OUT with the log gpu_sh.log"
+  [[ -n "${OUT:-}" ]] && log "packed into $OUT/results.tar.gz, beside the log gpu_sh.log"
   save_results
   rm -f "$STAMP"
   if ((${#FAILED[@]})); then
@@ -174,6 +192,12 @@ run_step device_tests "$DEVICE_TESTS_S" env COMPILED_LOGPROB_TEST_DEVICE="$DEVIC
 # TP = 2 (gloo) is CPU-only; on CUDA the memory is measured in process, case by case.
 run_step bench_tp "$BENCH_TP_S" "$PYTHON" perf/bench_tp.py --device "$DEVICE" \
   --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
+run_step bench_peers "$PEERS_S" "$PYTHON" perf/bench_peers.py --device "$DEVICE" \
+  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
+if [[ "$DEVICE" == cuda* ]]; then
+  run_step lm_head_peers "$LM_HEAD_PEERS_S" "$PYTHON" perf/bench_lm_head.py --device "$DEVICE" \
+    --variant cce --seq 8192 --hidden 2048 --dtype bfloat16 --steps 5
+fi
 run_step bench_extras "$EXTRAS_S" "$PYTHON" perf/bench_extras.py --device "$DEVICE" \
   --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
 run_step profile_extras "$PROFILE_S" "$PYTHON" perf/profile_extras.py --device "$DEVICE" \

@@ -215,7 +215,7 @@ def make_step(method: str, case: Case, inputs, group, compiled_cache: dict) -> C
             compiled_cache[key] = torch.compile(_ours(case, start, group), fullgraph=True)
         fn = compiled_cache[key]
     elif method in PEER_METHODS:
-        fn = peers.peer(method, case, start, group, compiled_cache)
+        fn = peers.peer(method, case, start, group, compiled_cache, str(logits.device))
         if method in peers.CONSUMING:  # its own logits, which it overwrites
             logits = logits.detach().clone().requires_grad_(case.backward)
     else:
@@ -379,6 +379,13 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return "unknown CPU"
+
+
+def short_error(error: BaseException) -> str:
+    """One line for a report: the error's type and its first two lines (Dynamo's first ends
+    in "raised:" and the cause follows)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {' '.join(lines[:2])[:160]}"
 
 
 def fmt_time(seconds: float | None) -> str:
