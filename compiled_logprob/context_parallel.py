@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiled_logprob import _agreement, _comm, _validation
-from compiled_logprob import logits as _logits
+from compiled_logprob import _agreement, _comm, _scoring, _validation
 from compiled_logprob._math import layout, merge
 
 __all__ = [
@@ -152,7 +151,7 @@ def logits_local_fn(
     _validation.check_inplace_backward(logits, inplace_backward)
 
     def local_fn(target, *, temperature, return_entropy):
-        return _logits._token_logprobs(
+        return _scoring.token_logprobs_of(
             logits, target, opts, temperature, return_entropy, filtering, inplace_backward
         )
 

@@ -26,8 +26,7 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from compiled_logprob import _agreement, _comm, _validation, context_parallel
-from compiled_logprob import logits as _logits
+from compiled_logprob import _agreement, _comm, _scoring, _validation, context_parallel
 from compiled_logprob._math import merge
 from compiled_logprob._ops.lm_head import lm_head_stats_of
 from compiled_logprob._ops.lm_head_filtered import lm_head_filtered_stats_of
@@ -231,7 +230,7 @@ def lm_head_token_logprobs(
         top_k, top_p, weight.shape[0], opts, group, return_entropy
     )
     hidden = whole_sequence(hidden, opts, head)
-    return _logits.finish(
+    return _scoring.finish(
         _lm_head_logprobs(hidden, weight, target, opts, head, temperature, return_entropy, filtering)
     )
 
@@ -245,7 +244,7 @@ def _lm_head_logprobs(
     temperature: float | torch.Tensor,
     return_entropy: bool,
     filtering: tuple[int, float] | None,
-) -> _logits.Scored:
+) -> _scoring.Scored:
     """:func:`lm_head_token_logprobs` of validated arguments and the whole sequence's
     ``hidden``, its verdict not yet checked."""
     per_position = target.dim() == hidden.dim() - 1
@@ -260,13 +259,13 @@ def _lm_head_logprobs(
             batched, weight, ids, rows, **options._asdict(), **head._asdict(), top_k=top_k,
             top_p=top_p,
         )
-        logprobs = _logits.filtered_logprobs(filtered, ids, options.ignore_index)
-        return _logits.Scored(logprobs.view(target.shape), None, filtered.verdict.view(hidden.shape[:-1]))
+        logprobs = _scoring.filtered_logprobs(filtered, ids, options.ignore_index)
+        return _scoring.Scored(logprobs.view(target.shape), None, filtered.verdict.view(hidden.shape[:-1]))
     stats = lm_head_stats_of(
         batched, weight, ids, rows, **options._asdict(), **head._asdict(),
         with_entropy=return_entropy, topk=0,
     )
-    return _logits.logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
+    return _scoring.logprob_outputs(stats, target, per_position, options.ignore_index, return_entropy)
 
 
 @_agreement.agreed
