@@ -216,6 +216,47 @@ def test_topk_tensor_parallel_matches_oracle(gloo_pool, world, case):
         _check_topk(case, got, ids, rank, world)
 
 
+# A last block of 3 ids joins the one before it (a block's top k needs k ids); bf16 with
+# ties, whose ids blocks and whole rows may pick differently.
+TOPK_BLOCK_CASES = [
+    Case(k=8, vocab=2 * 1024 + 3, chunk=None, temperature="positions", entropy=False),
+    Case(k=5, vocab=3 * 1024 + 100, dtype="bf16", temperature="rows", chunk=3, entropy=False),
+]
+
+
+def _topk_in_blocks(case: Case, rank: int, world: int, group):
+    """:func:`_run_topk` with tiles cut into blocks of the vocabulary, and with whole rows."""
+    runs = []
+    for elements in (4096, 1 << 30):
+        with lm_head_tiles(elements), no_host_syncs():
+            runs.append(_run_topk(case, rank, world, group))
+    return runs
+
+
+def _worker_topk_blocks(case: Case):
+    return _topk_in_blocks(case, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+
+
+def _check_topk_blocks(case, blocks, whole, rank, world):
+    (got, ids), (want, want_ids) = blocks, whole
+    assert torch.equal(got["lp"], want["lp"]), "top-k log-probs of blocks vs whole rows"
+    if case.dtype == "fp32":  # no ties
+        assert torch.equal(ids, want_ids)
+    _check_topk(case, got, ids, rank, world)
+
+
+@pytest.mark.parametrize("case", TOPK_BLOCK_CASES, ids=case_id)
+def test_topk_vocabulary_blocks_match_whole_rows_and_the_oracle(case):
+    """The blocks' merged top k are the whole rows' (values bit for bit)."""
+    _check_topk_blocks(case, *_topk_in_blocks(case, 0, 1, None), 0, 1)
+
+
+def test_topk_vocabulary_blocks_over_tensor_parallel(gloo_pool):
+    case = TOPK_BLOCK_CASES[1]
+    for rank, runs in enumerate(gloo_pool(2).run(_worker_topk_blocks, case)):
+        _check_topk_blocks(case, *runs, rank, 2)
+
+
 def _worker_topk_compiled(case: Case, seqs: tuple[int, ...]) -> int:
     """Compiled (fullgraph) forward and backward equal eager; returns the graphs compiled."""
     torch._dynamo.reset()

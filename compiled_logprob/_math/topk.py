@@ -54,6 +54,15 @@ def local_topk(
     return values, candidates.gather(-1, picked), row_max
 
 
+def join_candidates(blocks: list[torch.Tensor], k: int) -> torch.Tensor:
+    """A shard's :func:`topk_stats` from those of its blocks of ids (each of at least ``k``
+    ids): its top ``k`` are the best ``k`` of the blocks' (ties may pick other ids)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    values, ids = merge_topk(torch.stack(blocks), k)
+    return torch.cat([values, ids.float()], dim=-1)
+
+
 def merge_topk(gathered: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global top ``k`` ``(logits [B, S, k], int64 ids [B, S, k])``, in decreasing order,
     of every rank's :func:`topk_stats` candidates ``[R, B, S, 2k]``."""

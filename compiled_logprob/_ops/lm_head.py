@@ -68,6 +68,7 @@ def tiles(
     logits_dtype: torch.dtype,
     workspace: bool = True,
     whole_rows: bool = True,
+    min_block: int = 1,
 ) -> list[Tile]:
     """The tiles of ``hidden @ weight.T``, chunks of positions (row-major) each with its
     ``[B, c, w]`` views of buffers that every tile reuses: the logits tile
@@ -75,11 +76,11 @@ def tiles(
     temporary) when asked for. Fresh tile-sized temporaries would fault their pages in for
     every tile.
 
-    ``whole_rows``: each tile spans the shard's vocabulary (filtering and top-k need whole
-    rows). Otherwise a chunk holds all positions (up to ``chunk_size``) and is cut into
+    ``whole_rows``: each tile spans the shard's vocabulary (filtering needs whole rows). Otherwise a chunk holds all positions (up to ``chunk_size``) and is cut into
     blocks of whole ``TILE_WIDTH`` tiles: a matmul of many rows against a block of the
     weight runs at full speed, where a few rows against all of it stream the whole weight
-    for each chunk (docs/design.md, "Tiles of the LM head")."""
+    for each chunk (docs/design.md, "Tiles of the LM head"). A last block narrower than
+    ``min_block`` ids joins the one before it (a block's top k needs k ids)."""
     batch, seq_len, _ = hidden.shape
     vocab = weight.shape[0]
     if whole_rows:
@@ -90,7 +91,12 @@ def tiles(
         rows = batch * min(chunk_size, max(seq_len, 1))
         width = TILE_ELEMENTS // max(1, rows) // _tiles.TILE_WIDTH * _tiles.TILE_WIDTH
         width = min(vocab, max(_tiles.TILE_WIDTH, width))
-    tile_elements = batch * min(chunk_size, max(seq_len, 1)) * width
+    starts = list(range(0, max(vocab, 1), max(width, 1)))
+    if len(starts) > 1 and vocab - starts[-1] < min_block:
+        starts.pop()
+    ends = [*starts[1:], vocab]
+    widest = max(end - start for start, end in zip(starts, ends))
+    tile_elements = batch * min(chunk_size, max(seq_len, 1)) * widest
     logits = hidden.new_empty(tile_elements, dtype=logits_dtype)
     fp32 = hidden.new_empty((workspace + spare) * tile_elements, dtype=torch.float32)
 
@@ -102,8 +108,8 @@ def tiles(
     # At least one (possibly empty) tile: an empty sequence still joins the collective.
     for start in range(0, max(seq_len, 1), chunk_size):
         n = max(0, min(chunk_size, seq_len - start))
-        for first in range(0, max(vocab, 1), max(width, 1)):
-            ids = min(width, vocab - first)
+        for first, end in zip(starts, ends):
+            ids = end - first
             chunks.append(Tile(
                 slice(start, start + chunk_size),
                 slice(first, first + ids),
@@ -149,11 +155,11 @@ def lm_head_stats(
     weight = weight.to(logits_dtype)  # upcast once for every tile, when the logits are wider
     chunks = tiles(
         hidden, weight, chunk_size, spare=with_entropy, logits_dtype=logits_dtype,
-        whole_rows=topk > 0,
+        whole_rows=False, min_block=topk,
     )
     rows, per_tile = [], []
     for chunk in by_chunk(chunks):
-        blocks = []
+        blocks, best = [], None
         for tile in chunk:
             logits = logits_tile(hidden[:, tile.rows], weight[tile.cols], tile.logits)
             local = stats.local_stats(
@@ -164,11 +170,13 @@ def lm_head_stats(
                 with_entropy=with_entropy,
                 ops=Eager(tile.workspace, tile.spare),
             )
-            if topk:
-                candidates = _topk.topk_stats(logits, topk, vocab_start)
-                local = stats.LocalStats(torch.cat([local.rows, candidates], dim=-1), local.tiles)
+            if topk:  # the best k so far: two blocks' candidates at a time, not every block's
+                found = _topk.topk_stats(logits, topk, vocab_start + tile.cols.start)
+                best = found if best is None else _topk.join_candidates([best, found], topk)
             blocks.append(local)
         joined = stats.join_columns(blocks)
+        if best is not None:
+            joined = stats.LocalStats(torch.cat([joined.rows, best], dim=-1), joined.tiles)
         rows.append(joined.rows)
         per_tile.append(joined.tiles)
     result = merge.exchange_stats(
