@@ -18,8 +18,8 @@ measures the hidden-state path's options against the logits path doing the same:
   both models' logits, a frozen teacher of the same shapes;
 * ``cce``: against Apple cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile")``
   (the peer a CPU user would pick; the optional ``peers`` extra), warmed up (compiled) by
-  one step first, and the logits path beside it; on CUDA also its Triton kernel
-  (``impl="cce"``, the base row there) and Liger-Kernel's
+  one step first, and the logits path beside it, eager and compiled; on CUDA instead its
+  Triton kernel (``impl="cce"``, the base row there) and Liger-Kernel's
   ``liger_fused_linear_cross_entropy`` (both from ``perf/site`` on a GPU machine).
 
 ``--forward`` measures the forward alone (no autograd graph: the old-policy and reference
@@ -85,6 +85,8 @@ def _step(
 
         impl = "torch_compile" if method == "cce" else "cce"
         logprobs = -linear_cross_entropy(hidden, weight, target, reduction="none", impl=impl)
+    elif method == "logits compiled":
+        logprobs = _compiled_logits_path()(hidden, weight, target)
     elif method == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -107,6 +109,19 @@ def _step(
         logprobs = cl.lm_head_token_logprobs(hidden, weight, target, chunk_size=chunk)
     if logprobs.requires_grad:
         logprobs.sum().backward()
+
+
+_COMPILED: list = []
+
+
+def _compiled_logits_path():
+    """``token_logprobs(hidden @ weight.T, target)`` under ``torch.compile``: the logits path
+    as CCE's ``torch_compile`` runs its own (one graph, the logits materialised)."""
+    if not _COMPILED:
+        import compiled_logprob as cl
+
+        _COMPILED.append(torch.compile(lambda h, w, t: cl.token_logprobs(h @ w.T, t), fullgraph=True))
+    return _COMPILED[0]
 
 
 def _inputs(batch: int, seq: int, hidden_size: int, vocab: int, variant: str, device: str, dtype: str):
@@ -141,7 +156,7 @@ def measure(
     step for a compiled peer)."""
     hidden, weight, target = _inputs(batch, seq, hidden_size, vocab, variant, device, dtype)
     args = (method, hidden, weight, target, chunk, topk, variant, forward)
-    if method.startswith("cce"):
+    if method.startswith("cce") or method == "logits compiled":
         _step(*args)
         hidden.grad = weight.grad = None
     reset_peak_rss()
@@ -219,12 +234,14 @@ TITLES = {
 def _methods(args) -> tuple[str, list[tuple[str, str, int | None]]]:
     """The base row's name and every row: ``(name, method, chunk)``; the base row first."""
     methods = [("logits path", "logits", None)]
-    if args.variant == "cce":
-        peers = [("cut-cross-entropy torch_compile", "cce", None)]
-        if args.device.startswith("cuda"):  # Triton kernels
-            peers = [("cut-cross-entropy cce (Triton)", "cce_triton", None), *peers,
-                     ("Liger fused linear cross-entropy", "liger", None)]
-        methods = peers + methods
+    if args.variant == "cce" and args.device.startswith("cuda"):
+        # The Triton kernels a GPU user picks; no torch.compile rows, whose cold compiles
+        # would take the GPU run's budget.
+        methods = [("cut-cross-entropy cce (Triton)", "cce_triton", None),
+                   ("Liger fused linear cross-entropy", "liger", None), *methods]
+    elif args.variant == "cce":
+        methods = [("cut-cross-entropy torch_compile", "cce", None), *methods,
+                   ("logits path, compiled", "logits compiled", None)]
     methods += [(f"lm_head chunk={chunk or 'default'}", "lm_head", chunk or None) for chunk in args.chunks]
     if args.variant == "fp32_logits":
         methods.append(("lm_head, bf16 logits", "lm_head bf16", None))
