@@ -12,8 +12,10 @@
 #   log-probs against NeMo-RL's sort-based algorithm; the peers side by side on the logits
 #   (bench_peers: torch compiled, loss_parallel, megatron-core, Liger) and from hidden states
 #   (bench_lm_head --variant cce: cut-cross-entropy's Triton kernel and torch_compile,
-#   Liger's fused linear cross-entropy). The steps measured on a GPU before (CUDA graphs,
-#   compile time) come last, where a short budget cuts them first.
+#   Liger's fused linear cross-entropy); where the eager path's time goes against NeMo-RL's
+#   (profile_eager: wall time against its kernels' time, the top kernels). The steps
+#   measured on a GPU before (CUDA graphs, compile time) come last, where a short budget
+#   cuts them first.
 #
 #   perf/gpu.sh                      # on the GPU machine, from anywhere
 #   perf/gpu.sh --device cpu --quick # dry run of the same logic on CPU (limits × 3)
@@ -69,6 +71,7 @@ DEVICE_TESTS_S=${DEVICE_TESTS_S:-120}
 BENCH_TP_S=${BENCH_TP_S:-120}  # bench_tp starts no new case after 60 s of them
 PEERS_S=${PEERS_S:-100}        # the bf16 forward and training at least (six compiles each)
 LM_HEAD_PEERS_S=${LM_HEAD_PEERS_S:-60}
+PROFILE_EAGER_S=${PROFILE_EAGER_S:-45} # the bf16 forward at least: eager vs NeMo-RL's, kernels
 EXTRAS_S=${EXTRAS_S:-60}       # the fp32 forward case at least (its five compiles)
 PROFILE_S=${PROFILE_S:-70}     # 6 compiles to profile, then 2 per block size
 FILTERING_S=${FILTERING_S:-60} # likewise (four compiles per case)
@@ -198,6 +201,8 @@ if [[ "$DEVICE" == cuda* ]]; then
   run_step lm_head_peers "$LM_HEAD_PEERS_S" "$PYTHON" perf/bench_lm_head.py --device "$DEVICE" \
     --variant cce --seq 8192 --hidden 2048 --dtype bfloat16 --steps 5
 fi
+run_step profile_eager "$PROFILE_EAGER_S" "$PYTHON" perf/profile_eager.py --device "$DEVICE" \
+  --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
 run_step bench_extras "$EXTRAS_S" "$PYTHON" perf/bench_extras.py --device "$DEVICE" \
   --time-budget @BUDGET@ ${QUICK[@]+"${QUICK[@]}"}
 run_step profile_extras "$PROFILE_S" "$PYTHON" perf/profile_extras.py --device "$DEVICE" \

@@ -293,6 +293,39 @@ def tp_worker(cases: list[dict], repeats: int, methods=METHODS) -> list[dict[str
 
 
 # ---------------------------------------------------------------------------------------------
+# Profiles
+
+# Profiler events that only wrap others.
+_WRAPPERS = (
+    "## ", "Torch-Compiled Region", "TorchDynamo", "AOTDispatcher", "Pregraph", "CompiledFunction",
+    "autograd::", "cudaDeviceSynchronize",
+)
+
+
+def kernel_times(step: Callable[[], object], *, device: str, calls: int) -> list[tuple[float, str, int]]:
+    """``(own microseconds, name, count)`` over ``calls`` calls of ``step`` (after one
+    warm-up) of every kernel it runs, largest first: own device time of each kernel on a
+    GPU; on the CPU, own time of each ATen op and Inductor kernel (with
+    ``cpp.enable_kernel_profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    step()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            step()
+        sync(device)
+    spent = []
+    for event in prof.key_averages():
+        own = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if own > 0 and not event.key.startswith(_WRAPPERS):
+            spent.append((own, event.key, event.count))
+    return sorted(spent, reverse=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # Peak memory: one fresh process per (method, dtype, mode, chunk) sweeps the sequence lengths,
 # resetting the peak before each measured call.
 

@@ -21,7 +21,6 @@ import re
 
 import torch
 import torch._inductor.config as inductor_config
-from torch.profiler import ProfilerActivity, profile
 
 import bench_extras
 import harness
@@ -32,11 +31,6 @@ from compiled_logprob._math import topk as _math
 PROFILED = ("plain", "entropy", "topk8")
 BLOCKS = (8, 16, 32, 64)
 KERNELS_SHOWN = 8
-# Profiler events that only wrap others.
-_WRAPPERS = (
-    "## ", "Torch-Compiled Region", "TorchDynamo", "AOTDispatcher", "Pregraph", "CompiledFunction",
-    "autograd::", "cudaDeviceSynchronize",
-)
 
 
 def kernel_rows(case: Case, name: str, inputs, *, device: str, calls: int) -> list[list[str]]:
@@ -45,20 +39,7 @@ def kernel_rows(case: Case, name: str, inputs, *, device: str, calls: int) -> li
     logits, target, grad_out = inputs
     fn = torch.compile(bench_extras.VARIANTS[name], fullgraph=True)
     step = bench_extras.variant_step(fn, case, logits, target, grad_out)
-    cuda = device.startswith("cuda")
-    step()
-    harness.sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            step()
-        harness.sync(device)
-    spent = []
-    for event in prof.key_averages():
-        own = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if own > 0 and not event.key.startswith(_WRAPPERS):
-            spent.append((own, event.key, event.count))
-    spent.sort(reverse=True)
+    spent = harness.kernel_times(step, device=device, calls=calls)
     total = sum(own for own, _, _ in spent)
     return [
         # Inductor's CPU kernels are named graph_<n>_cpp_fused_..., n counting compiles.
