@@ -7,7 +7,9 @@ host's launches, not the kernels, set the pace.
     python perf/profile_eager.py --device cuda    # [2, 8192, 32000]
     python perf/profile_eager.py --quick          # [2, 512, 32000]
 
-Cases: bf16 and fp32, forward and forward+backward, TP = 1. Writes
+Cases: bf16 and fp32, forward and forward+backward, TP = 1; then the eager path's time and
+peak memory for each smallest block of its kernels (``_ops.blocks``: many small blocks
+launch many small ops, large ones hold a large fp32 workspace). Writes
 ``perf/results/eager_profile_<device>[_quick].md``, rewritten after every case;
 ``--time-budget``: no new case starts after that many seconds.
 """
@@ -20,9 +22,12 @@ import time
 import harness
 from harness import Case, markdown_table
 
+from compiled_logprob._ops import blocks
+
 METHODS = ("eager", "seed")
 KERNELS_SHOWN = 6
 CALLS = 3
+BLOCK_ELEMENTS = (1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
 
 
 def profile_case(case: Case, *, device: str, repeats: int) -> tuple[list[list[str]], list[list[str]]]:
@@ -49,6 +54,52 @@ def profile_case(case: Case, *, device: str, repeats: int) -> tuple[list[list[st
     return summary, top
 
 
+def block_rows(case: Case, *, device: str, repeats: int) -> list[list[str]]:
+    """``[case, smallest block, ms, peak extra MiB]`` of the eager path for each of
+    :data:`BLOCK_ELEMENTS` (the device's minimum block, patched), timed interleaved."""
+    name = "MIN_BLOCK_ELEMENTS" if device == "cpu" else "MIN_BLOCK_ELEMENTS_GPU"
+    default = getattr(blocks, name)
+    inputs = harness.make_inputs(case, 0, device)
+    step = harness.make_step("eager", case, inputs, None, {})
+
+    def with_block(elements: int):
+        def run():
+            setattr(blocks, name, elements)
+            try:
+                return step()
+            finally:
+                setattr(blocks, name, default)
+        return run
+
+    steps = {elements: with_block(elements) for elements in BLOCK_ELEMENTS}
+    times = harness.median_interleaved(steps, device=device, repeats=repeats)
+    rows = []
+    for elements, run in steps.items():
+        peak = _peak_bytes(run, device)
+        rows.append([
+            f"{case.dtype} {case.mode}", f"2**{elements.bit_length() - 1}"
+            + (" (default)" if elements == default else ""),
+            f"{times[elements] * 1e3:.2f}", harness.fmt_mib(peak),
+        ])
+    return rows
+
+
+def _peak_bytes(run, device: str) -> int | None:
+    """The allocator's peak of one call over the memory before it (CUDA); ``None`` on the
+    CPU, where ``bench_tp`` measures it in fresh processes."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run()
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.max_memory_allocated() - base
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -62,6 +113,7 @@ def main(argv=None) -> None:
     cases = [Case(2, seq, 32000, d, b) for d in ("bfloat16", "float32") for b in (False, True)]
     summary: list[list[str]] = []
     top: list[list[str]] = []
+    by_block: list[list[str]] = []
     status = "complete"
     start = time.monotonic()
 
@@ -77,18 +129,25 @@ def main(argv=None) -> None:
                               "wall / kernels"], summary)
             + f"\n## Top {KERNELS_SHOWN} kernels by own {unit} time, per call\n\n"
             + markdown_table(["case", "method", "kernel", "calls", "ms", "share"], top)
+            + "\n## The eager path by smallest block (elements)\n\n"
+            + markdown_table(["case", "smallest block", "ms", "peak extra MiB"], by_block)
         )
         harness.write_result("eager_profile", args.device, args.quick, report, quiet=quiet)
 
-    for done, case in enumerate(cases):
+    # The profiles first, then the block sizes of the bf16 forward and training.
+    jobs = [("profile", case) for case in cases] + [("blocks", case) for case in cases if case.dtype == "bfloat16"]
+    for done, (job, case) in enumerate(jobs):
         if args.time_budget is not None and time.monotonic() - start > args.time_budget:
             status = f"cut short by --time-budget {args.time_budget:g} s: not run: " + ", ".join(
-                c.label() for c in cases[done:])
+                f"{j} {c.label()}" for j, c in jobs[done:])
             break
-        rows, kernels = profile_case(case, device=args.device, repeats=args.repeats)
-        summary += rows
-        top += kernels
-        print(f"  {case.label()} done", flush=True)
+        if job == "profile":
+            rows, kernels = profile_case(case, device=args.device, repeats=args.repeats)
+            summary += rows
+            top += kernels
+        else:
+            by_block += block_rows(case, device=args.device, repeats=args.repeats)
+        print(f"  {job} {case.label()} done", flush=True)
         write("partial: in progress, or interrupted")
     write(status, quiet=False)
 
