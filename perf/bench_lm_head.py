@@ -51,7 +51,14 @@ import sys
 import time
 
 import torch
-from harness import machine_header, reset_peak_rss, rss_kib, short_error
+from harness import (
+    cuda_peak_bytes,
+    machine_header,
+    reset_peak_rss,
+    rss_kib,
+    short_error,
+    sync,
+)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -134,11 +141,6 @@ def _inputs(batch: int, seq: int, hidden_size: int, vocab: int, variant: str, de
     return hidden, weight, target
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def measure(
     method: str,
     batch: int,
@@ -190,21 +192,16 @@ def time_interleaved(
     times: dict[int, list[float]] = {i: [] for i in live}
     for _ in range(steps):
         for i in live:
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             run(*methods[i])
-            _sync(device)
+            sync(device)
             times[i].append(time.perf_counter() - start)
     peaks: dict[int, float] = {}
     if device.startswith("cuda"):
         for i in live:
-            hidden.grad = weight.grad = None
-            _sync(device)
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            run(*methods[i])
-            _sync(device)
-            peaks[i] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            hidden.grad = weight.grad = None  # the step's own gradients count, not the last's
+            peaks[i] = cuda_peak_bytes(lambda: run(*methods[i])) / 2**20
     return {
         "times": [statistics.median(times[i]) if i in times else None for i in range(len(methods))],
         "peaks_mib": [peaks.get(i) for i in range(len(methods))],

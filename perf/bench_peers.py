@@ -40,6 +40,7 @@ import torch
 from harness import (
     RESULTS_DIR,
     Case,
+    cuda_peak_bytes,
     fmt_mib,
     machine_header,
     make_inputs,
@@ -47,7 +48,6 @@ from harness import (
     markdown_table,
     median_interleaved,
     memory_in_fresh_process,
-    peak_extra_bytes,
     short_error,
     tp_worker,
     write_result,
@@ -63,9 +63,11 @@ TRAINING = (*FORWARD, "compiled_inplace")
 TORCH_COMPILED = ("torch_compiled", "loss_parallel_compiled")
 
 
-def max_error(case: Case, method: str, device: str) -> float | None:
+def max_error(case: Case, method: str, device: str, compiled_cache: dict) -> float | None:
     """The largest error of ``method``'s log-probs (forward) or logits' gradient (training)
-    against float64 on fresh inputs; ``None`` for the floor, which computes neither."""
+    against float64 on fresh inputs (a consuming method has overwritten its own), with the
+    compiled functions of ``compiled_cache``; ``None`` for the floor, which computes
+    neither."""
     if method == "floor":
         return None
     logits, target, grad_out, _, _ = make_inputs(case, 0, device)
@@ -73,17 +75,16 @@ def max_error(case: Case, method: str, device: str) -> float | None:
     want = oracle_logprobs(full, target)
     if case.backward:
         (want_grad,) = torch.autograd.grad(want, full, grad_out.double())
-    got = make_step(method, case, (logits, target, grad_out, 0, case.vocab), None, {})()
+    got = make_step(method, case, (logits, target, grad_out, 0, case.vocab), None, compiled_cache)()
     if not case.backward:
         return (got.double() - want).abs().max().item()
     return (got.double() - want_grad).abs().max().item()
 
 
-def _warmed_steps(case: Case, device: str, methods, failures: dict) -> dict:
+def _warmed_steps(case: Case, device: str, methods, failures: dict, compiled_cache: dict) -> dict:
     """One step per method that runs here, warmed up once; a method that raises is left out
     and its error kept in ``failures`` (a peer's failure is a result, not the run's end)."""
     inputs = make_inputs(case, 0, device)
-    compiled_cache: dict = {}
     steps = {}
     for m in methods:
         try:
@@ -106,18 +107,17 @@ def measure_tp1(case: Case, device: str, repeats: int, threads: int):
         if reason is not None:
             failures[m] = f"not run: {reason}"
     methods = [m for m in methods if m not in failures]
-    steps = _warmed_steps(case, device, methods, failures)
+    # One compile per method, shared by its timed step, its error and (CUDA) its peak.
+    compiled_cache: dict = {}
+    steps = _warmed_steps(case, device, methods, failures, compiled_cache)
     times = median_interleaved(steps, device=device, repeats=repeats)
+    if device.startswith("cuda"):
+        peaks = {m: cuda_peak_bytes(steps[m]) for m in times}
+    else:  # max RSS is per process
+        peaks = {m: memory_in_fresh_process([case], m, device, threads)[0] for m in times}
     del steps
     gc.collect()
-    peaks, errors = {}, {}
-    cache: dict = {}
-    for m in times:
-        if device.startswith("cuda"):
-            peaks[m] = peak_extra_bytes(case, m, device, cache)
-        else:
-            peaks[m] = memory_in_fresh_process([case], m, device, threads)[0]
-        errors[m] = max_error(case, m, device)
+    errors = {m: max_error(case, m, device, compiled_cache) for m in times}
     return times, peaks, errors, failures
 
 

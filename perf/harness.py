@@ -352,20 +352,25 @@ def peak_extra_bytes(case: Case, method: str, device: str, compiled_cache: dict)
     step()
     gc.collect()
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del out
-        return peak - base
+        return cuda_peak_bytes(step)
     reset_peak_rss()
     base = rss_kib("VmRSS")
     out = step()
     peak = rss_kib("VmHWM")
     del out
     return (peak - base) * 1024
+
+
+def cuda_peak_bytes(step: Callable[[], object]) -> int:
+    """The allocator's peak during one call of ``step`` (warmed up) over the memory
+    allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = step()
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.max_memory_allocated() - base
 
 
 def memory_sweep(cases: list[dict], method: str, device: str) -> list[int]:

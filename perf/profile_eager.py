@@ -75,29 +75,14 @@ def block_rows(case: Case, *, device: str, repeats: int) -> list[list[str]]:
     times = harness.median_interleaved(steps, device=device, repeats=repeats)
     rows = []
     for elements, run in steps.items():
-        peak = _peak_bytes(run, device)
+        # The CPU's peak needs a fresh process per row: bench_tp measures it there.
+        peak = harness.cuda_peak_bytes(run) if device.startswith("cuda") else None
         rows.append([
             f"{case.dtype} {case.mode}", f"2**{elements.bit_length() - 1}"
             + (" (default)" if elements == default else ""),
             f"{times[elements] * 1e3:.2f}", harness.fmt_mib(peak),
         ])
     return rows
-
-
-def _peak_bytes(run, device: str) -> int | None:
-    """The allocator's peak of one call over the memory before it (CUDA); ``None`` on the
-    CPU, where ``bench_tp`` measures it in fresh processes."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = run()
-    torch.cuda.synchronize()
-    del out
-    return torch.cuda.max_memory_allocated() - base
 
 
 def main(argv=None) -> None:
