@@ -54,12 +54,10 @@ def local_topk(
     return values, candidates.gather(-1, picked), row_max
 
 
-def join_candidates(blocks: list[torch.Tensor], k: int) -> torch.Tensor:
-    """A shard's :func:`topk_stats` from those of its blocks of ids (each of at least ``k``
-    ids): its top ``k`` are the best ``k`` of the blocks' (ties may pick other ids)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    values, ids = merge_topk(torch.stack(blocks), k)
+def join_candidates(first: torch.Tensor, second: torch.Tensor, k: int) -> torch.Tensor:
+    """The :func:`topk_stats` of two blocks of ids together (each of at least ``k`` ids)
+    from theirs: the best ``k`` of both blocks' top ``k`` (ties may pick other ids)."""
+    values, ids = merge_topk(torch.stack([first, second]), k)
     return torch.cat([values, ids.float()], dim=-1)
 
 

@@ -76,11 +76,12 @@ def tiles(
     temporary) when asked for. Fresh tile-sized temporaries would fault their pages in for
     every tile.
 
-    ``whole_rows``: each tile spans the shard's vocabulary (filtering needs whole rows). Otherwise a chunk holds all positions (up to ``chunk_size``) and is cut into
-    blocks of whole ``TILE_WIDTH`` tiles: a matmul of many rows against a block of the
-    weight runs at full speed, where a few rows against all of it stream the whole weight
-    for each chunk (docs/design.md, "Tiles of the LM head"). A last block narrower than
-    ``min_block`` ids joins the one before it (a block's top k needs k ids)."""
+    ``whole_rows``: each tile spans the shard's vocabulary (filtering needs whole rows).
+    Otherwise a chunk holds all positions (up to ``chunk_size``) and is cut into blocks of
+    whole ``TILE_WIDTH`` tiles: a matmul of many rows against a block of the weight runs at
+    full speed, where a few rows against all of it stream the whole weight for each chunk
+    (docs/design.md, "Tiles of the LM head"). A last block narrower than ``min_block`` ids
+    joins the one before it (a block's top k needs k ids)."""
     batch, seq_len, _ = hidden.shape
     vocab = weight.shape[0]
     if whole_rows:
@@ -172,7 +173,7 @@ def lm_head_stats(
             )
             if topk:  # the best k so far: two blocks' candidates at a time, not every block's
                 found = _topk.topk_stats(logits, topk, vocab_start + tile.cols.start)
-                best = found if best is None else _topk.join_candidates([best, found], topk)
+                best = found if best is None else _topk.join_candidates(best, found, topk)
             blocks.append(local)
         joined = stats.join_columns(blocks)
         if best is not None:
